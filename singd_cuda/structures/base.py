@@ -1,0 +1,249 @@
+"""The contract every structured Kronecker factor keeps.
+
+A structure is a family of d x d matrices closed under multiplication. A
+``StructuredMatrix`` subclass holds one member of the family as a few named
+storage tensors (``parts``), in the storage dtype (float64, float32, bfloat16
+or float16). Every operation accumulates in float32 for the half types and
+casts the result back to the storage dtype.
+
+Structures with parameters (block size, rank, ...) are bound with
+:meth:`StructuredMatrix.bind`, which returns a subclass with those parameters
+as class attributes; ``singd_cuda.structures.get("block_diagonal:32")`` does
+this from a string.
+
+The projection Π̂ of a dense symmetric matrix M onto the family keeps M_ij
+where the mirror entry (j, i) is free too, takes M_ij + M_ji where the mirror
+is fixed at zero, and averages tied entries (Toeplitz). It preserves the trace.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def accumulation_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """The dtype arithmetic runs in: float32 for half types, else the widest given."""
+    widest = dtypes[0]
+    for dtype in dtypes[1:]:
+        widest = torch.promote_types(widest, dtype)
+    return torch.float32 if widest in HALF_DTYPES else widest
+
+
+def upcast(tensor: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """``tensor`` in the accumulation dtype of its own dtype (or of ``dtype``)."""
+    return tensor.to(accumulation_dtype(tensor.dtype if dtype is None else dtype))
+
+
+class StructuredMatrix(ABC):  # noqa: PLW1641 (matrices are not hashable values)
+    """A d x d matrix of a structured family, stored as named tensors.
+
+    Subclasses set ``name`` (the registry name), ``parameters`` (the names of
+    their class-level structure parameters, in order) and ``part_names`` (the
+    storage tensors), and implement the abstract methods below.
+    """
+
+    name: ClassVar[str]
+    parameters: ClassVar[tuple[str, ...]] = ()
+    default_values: ClassVar[tuple[int, ...]] = ()
+    part_names: ClassVar[tuple[str, ...]]
+    family: ClassVar[type[StructuredMatrix] | None] = None
+
+    def __init__(self, dim: int, **parts: Tensor) -> None:
+        if set(parts) != set(self.part_names):
+            raise ValueError(
+                f"{type(self).__name__} needs parts {self.part_names}, got {tuple(parts)}"
+            )
+        self.dim = dim
+        self.parts: dict[str, Tensor] = {name: parts[name] for name in self.part_names}
+
+    # ------------------------------------------------------------------ binding
+    @classmethod
+    def bind(cls, *args: int) -> type[StructuredMatrix]:
+        """A subclass of ``cls`` with its structure parameters set to ``args``.
+
+        With no ``args``, a parametrised family binds to its ``default_values``.
+        """
+        if not cls.parameters:
+            if args:
+                raise ValueError(f"structure '{cls.name}' takes no parameters, got {args}")
+            return cls
+        args = args or cls.default_values
+        if len(args) != len(cls.parameters):
+            raise ValueError(
+                f"structure '{cls.name}' takes {len(cls.parameters)} parameter(s) "
+                f"{cls.parameters}, got {args}"
+            )
+        for param, value in zip(cls.parameters, args, strict=True):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"structure '{cls.name}': {param} must be a positive integer, got {value!r}"
+                )
+        return _bound_subclass(cls.family or cls, tuple(args))
+
+    @classmethod
+    def bound_values(cls) -> tuple[int, ...] | None:
+        """The parameters this class is bound to (None for an unbound family)."""
+        if not cls.parameters:
+            return ()
+        values = tuple(getattr(cls, p, None) for p in cls.parameters)
+        return None if any(v is None for v in values) else values
+
+    @classmethod
+    def spec(cls) -> str:
+        """The registry string that rebuilds this class, e.g. ``"block_diagonal:32"``."""
+        values = cls.bound_values()
+        if not values:
+            return cls.name
+        return f"{cls.name}:{','.join(str(v) for v in values)}"
+
+    # ------------------------------------------------------- constructors (abstract)
+    @classmethod
+    @abstractmethod
+    def from_dense(cls, M: Tensor) -> StructuredMatrix:
+        """The member holding M's entries on the pattern (tied entries averaged).
+
+        M: (d, d), any float dtype, need not be symmetric. Storage dtype = M.dtype.
+        """
+
+    @classmethod
+    @abstractmethod
+    def project(cls, M: Tensor) -> StructuredMatrix:
+        """Π̂(M) for a dense symmetric M of shape (d, d); storage dtype = M.dtype."""
+
+    @classmethod
+    @abstractmethod
+    def project_gram(cls, Y: Tensor) -> StructuredMatrix:
+        """Π̂(YᵀY) for Y of shape (N, d), without a d x d temporary (unless dense).
+
+        Storage dtype = Y.dtype; accumulation in float32 for half dtypes.
+        """
+
+    @classmethod
+    @abstractmethod
+    def eye(cls, d: int, dtype: torch.dtype = torch.float32, device=None) -> StructuredMatrix:
+        """The d x d identity."""
+
+    # ---------------------------------------------------------- instance (abstract)
+    @abstractmethod
+    def to_dense(self) -> Tensor:
+        """The (d, d) dense tensor, in the storage dtype."""
+
+    @abstractmethod
+    def matmul(self, X: Tensor) -> Tensor:
+        """K @ X for a dense X of shape (d, n); result dtype promote(K, X)."""
+
+    @abstractmethod
+    def rmatmul(self, X: Tensor) -> Tensor:
+        """Kᵀ @ X for a dense X of shape (d, n); result dtype promote(K, X)."""
+
+    @abstractmethod
+    def __matmul__(self, other: StructuredMatrix) -> StructuredMatrix:
+        """K @ M for M of the same structure and dimension; storage dtype of K."""
+
+    @abstractmethod
+    def project_inner(self) -> StructuredMatrix:
+        """Π̂(KᵀK), in the storage dtype."""
+
+    @abstractmethod
+    def trace(self) -> Tensor:
+        """Scalar tensor: the trace, in the accumulation dtype."""
+
+    # ------------------------------------------------------------ shared concrete
+    @classmethod
+    def zeros(cls, d: int, dtype: torch.dtype = torch.float32, device=None) -> StructuredMatrix:
+        """The d x d zero matrix."""
+        eye = cls.eye(d, dtype=dtype, device=device)
+        for part in eye.parts.values():
+            part.zero_()
+        return eye
+
+    @classmethod
+    def from_parts(cls, dim: int, parts: dict[str, Tensor]) -> StructuredMatrix:
+        """Rebuild a matrix from its storage tensors (as in a state dict)."""
+        return cls(dim, **parts)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(iter(self.parts.values())).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.parts.values())).device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of storage actually held."""
+        return sum(p.numel() * p.element_size() for p in self.parts.values())
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.dim, self.dim))
+
+    def _check_same_structure(self, other: StructuredMatrix) -> None:
+        if type(other) is not type(self) or other.dim != self.dim:
+            raise ValueError(
+                f"expected a {self.spec()} matrix of dimension {self.dim}, "
+                f"got {other.spec()} of dimension {other.dim}"
+            )
+
+    def add_(self, other: StructuredMatrix, alpha: float = 1.0) -> StructuredMatrix:
+        """self += alpha * other, in place (other of the same structure)."""
+        self._check_same_structure(other)
+        for name, part in self.parts.items():
+            update = upcast(part).add_(upcast(other.parts[name], part.dtype), alpha=alpha)
+            part.copy_(update)
+        return self
+
+    def mul_(self, scalar: float | Tensor) -> StructuredMatrix:
+        """self *= scalar, in place."""
+        for part in self.parts.values():
+            part.copy_(upcast(part).mul_(scalar))
+        return self
+
+    def add_identity_(self, alpha: float = 1.0) -> StructuredMatrix:
+        """self += alpha * I, in place."""
+        return self.add_(type(self).eye(self.dim, dtype=self.dtype, device=self.device), alpha)
+
+    def abs_max(self) -> Tensor:
+        """Scalar tensor: the largest absolute entry (0 for an empty matrix)."""
+        maxima = [upcast(p).abs().max() for p in self.parts.values() if p.numel() > 0]
+        if not maxima:
+            return torch.zeros((), dtype=accumulation_dtype(self.dtype), device=self.device)
+        return torch.stack(maxima).max()
+
+    def average_trace(self) -> Tensor:
+        """trace / d, the tr̄ of DESIGN.md section 2."""
+        return self.trace() / self.dim
+
+    def clone(self) -> StructuredMatrix:
+        return type(self)(self.dim, **{n: p.clone() for n, p in self.parts.items()})
+
+    def to(self, dtype: torch.dtype | None = None, device=None) -> StructuredMatrix:
+        """A copy (or self when nothing changes) in another dtype/device."""
+        return type(self)(
+            self.dim, **{n: p.to(dtype=dtype, device=device) for n, p in self.parts.items()}
+        )
+
+    def __repr__(self) -> str:
+        return f"{self.spec()}(dim={self.dim}, dtype={self.dtype}, nbytes={self.nbytes})"
+
+
+_BOUND: dict[tuple[type, tuple[int, ...]], type[StructuredMatrix]] = {}
+
+
+def _bound_subclass(
+    base: type[StructuredMatrix], values: tuple[int, ...]
+) -> type[StructuredMatrix]:
+    """One cached subclass per (family, parameters), so equal specs are the same class."""
+    key = (base, values)
+    if key not in _BOUND:
+        attrs = dict(zip(base.parameters, values, strict=True), family=base)
+        label = "_".join(str(v) for v in values)
+        _BOUND[key] = type(f"{base.__name__}_{label}", (base,), attrs)
+    return _BOUND[key]

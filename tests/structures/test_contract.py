@@ -1,0 +1,174 @@
+"""Every structure, every operation, against its dense counterpart.
+
+Members are random and non-symmetric (the published reference implementation's
+block-diagonal bug hides behind symmetric test matrices). References are computed
+in float64 from the same (rounded) inputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .conftest import (
+    DTYPES,
+    SIZES,
+    SPECS,
+    assert_close_normwise,
+    free_mask,
+    get,
+    random_member,
+)
+
+CASES = [(spec, d) for spec in SPECS for d in SIZES]
+IDS = [f"{spec}-d{d}" for spec, d in CASES]
+
+
+def symmetric(d, gen):
+    A = torch.randn(d, d, dtype=torch.float64, generator=gen)
+    return A + A.T
+
+
+def reference_projection(S, M: torch.Tensor):
+    """Π̂(M) from the rule: mirror free keeps M_ij, mirror fixed adds M_ji, ties average."""
+    mask = free_mask(S, M.shape[0])
+    return S.from_dense(M + (~mask.T) * M.T).to_dense()
+
+
+@pytest.mark.parametrize(("spec", "d"), CASES, ids=IDS)
+class TestFamily:
+    def test_from_dense_is_orthogonal_projection_onto_family(self, spec, d, gen):
+        S = get(spec)
+        M = torch.randn(d, d, dtype=torch.float64, generator=gen)
+        P = S.from_dense(M).to_dense()
+        assert torch.equal(S.from_dense(P).to_dense(), P), "from_dense(P) must keep a member"
+        Z = random_member(S, d, torch.float64, gen).to_dense()
+        assert abs(((M - P) * Z).sum()) <= 1e-10 * M.abs().sum()
+        assert torch.equal(P[~free_mask(S, d)], torch.zeros_like(P[~free_mask(S, d)]))
+
+    def test_eye_and_zeros(self, spec, d):
+        S = get(spec)
+        assert torch.equal(S.eye(d, dtype=torch.float64).to_dense(), torch.eye(d, dtype=torch.float64))
+        assert torch.equal(S.zeros(d, dtype=torch.float64).to_dense(), torch.zeros(d, d).double())
+        assert S.eye(d, dtype=torch.bfloat16).dtype == torch.bfloat16
+
+    def test_project_matches_rule(self, spec, d, gen):
+        S = get(spec)
+        M = symmetric(d, gen)
+        P = S.project(M)
+        assert_close_normwise(P.to_dense(), reference_projection(S, M), torch.float64)
+        torch.testing.assert_close(P.trace(), M.trace(), rtol=1e-10, atol=1e-10)
+
+    def test_project_is_idempotent(self, spec, d, gen):
+        S = get(spec)
+        P = S.project(symmetric(d, gen)).to_dense()
+        again = S.project((P + P.T) / 2).to_dense()
+        assert_close_normwise(again, P, torch.float64)
+
+    def test_closure_under_factor_update(self, spec, d, gen):
+        S = get(spec)
+        K, m = random_member(S, d, torch.float64, gen), random_member(S, d, torch.float64, gen)
+        expected = K.to_dense() - 0.1 * K.to_dense() @ m.to_dense()
+        updated = K.clone().add_(K @ m, alpha=-0.1)
+        assert_close_normwise(updated.to_dense(), expected, torch.float64)
+
+    def test_nbytes_counts_storage(self, spec, d):
+        S = get(spec)
+        K64, K16 = S.eye(d, dtype=torch.float64), S.eye(d, dtype=torch.bfloat16)
+        assert K64.nbytes == 4 * K16.nbytes
+        assert K64.nbytes == sum(p.numel() for p in K64.parts.values()) * 8
+        if spec != "dense" and d >= 64 and not spec.endswith(":200") and not spec.endswith(",5"):
+            assert K64.nbytes < d * d * 8 // 2, "structured storage must be well below dense"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("spec", "d"), CASES, ids=IDS)
+class TestOperations:
+    def test_matmul_and_rmatmul(self, spec, d, dtype, gen):
+        S = get(spec)
+        K = random_member(S, d, dtype, gen)
+        X = torch.randn(d, 5, dtype=torch.float64, generator=gen).to(dtype)
+        Kd, Xd = K.to_dense().double(), X.double()
+        out, rout = K.matmul(X), K.rmatmul(X)
+        assert out.dtype == dtype and rout.dtype == dtype
+        assert_close_normwise(out, Kd @ Xd, dtype)
+        assert_close_normwise(rout, Kd.T @ Xd, dtype)
+
+    def test_structured_product(self, spec, d, dtype, gen):
+        S = get(spec)
+        K, M = random_member(S, d, dtype, gen), random_member(S, d, dtype, gen)
+        KM = K @ M
+        assert type(KM) is type(K) and KM.dtype == dtype
+        assert_close_normwise(KM.to_dense(), K.to_dense().double() @ M.to_dense().double(), dtype)
+
+    def test_project_gram(self, spec, d, dtype, gen):
+        S = get(spec)
+        Y = torch.randn(16, d, dtype=torch.float64, generator=gen).to(dtype)
+        P = S.project_gram(Y)
+        assert P.dtype == dtype
+        Yd = Y.double()
+        assert_close_normwise(P.to_dense(), reference_projection(S, Yd.T @ Yd), dtype)
+
+    def test_project_inner(self, spec, d, dtype, gen):
+        S = get(spec)
+        K = random_member(S, d, dtype, gen)
+        Kd = K.to_dense().double()
+        assert_close_normwise(K.project_inner().to_dense(), reference_projection(S, Kd.T @ Kd), dtype)
+
+    def test_in_place_arithmetic_and_scalars(self, spec, d, dtype, gen):
+        S = get(spec)
+        K, M = random_member(S, d, dtype, gen), random_member(S, d, dtype, gen)
+        Kd, Md = K.to_dense().double(), M.to_dense().double()
+        K.add_(M, alpha=-0.5).mul_(3.0)
+        assert K.dtype == dtype
+        expected = 3.0 * (Kd - 0.5 * Md)
+        assert_close_normwise(K.to_dense(), expected, dtype)
+        Kd = K.to_dense().double()
+        assert_close_normwise(K.trace().reshape(1), Kd.trace().reshape(1), dtype)
+        assert_close_normwise(K.abs_max().reshape(1), Kd.abs().max().reshape(1), dtype)
+        assert K.trace().dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+
+    def test_add_identity(self, spec, d, dtype, gen):
+        S = get(spec)
+        K = random_member(S, d, dtype, gen)
+        expected = K.to_dense().double() + 2.0 * torch.eye(d, dtype=torch.float64)
+        assert_close_normwise(K.add_identity_(2.0).to_dense(), expected, dtype)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_from_parts_round_trip(spec, gen):
+    S = get(spec)
+    K = random_member(S, 31, torch.float32, gen)
+    rebuilt = S.from_parts(K.dim, {n: p.clone() for n, p in K.parts.items()})
+    assert torch.equal(rebuilt.to_dense(), K.to_dense())
+
+
+def test_mixing_structures_is_an_error(gen):
+    K = get("dense").eye(4)
+    with pytest.raises(ValueError, match="expected a diagonal matrix"):
+        get("diagonal").eye(4).add_(K)
+    with pytest.raises(ValueError, match="dimension 4"):
+        get("diagonal").eye(5).add_(get("diagonal").eye(4))
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["diagonal", "block_diagonal:32", "low_rank:8", "tril_toeplitz", "triu_toeplitz", "hierarchical:15,15"],
+)
+def test_no_dense_temporaries(spec, gen):
+    """No allocation of a d x d matrix (or anything near it) in non-dense structures."""
+    S, d = get(spec), 2048
+    K = random_member(S, d, torch.float32, gen)
+    M = random_member(S, d, torch.float32, gen)
+    Y = torch.randn(64, d, generator=gen)
+    X = torch.randn(d, 64, generator=gen)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        S.project_gram(Y)
+        K.matmul(X)
+        K.rmatmul(X)
+        K @ M
+        K.project_inner()
+        K.clone().add_(M, alpha=0.5).mul_(2.0)
+        K.trace()
+    largest = max((e.cpu_memory_usage for e in prof.events()), default=0)
+    assert largest < d * d * 4 // 8, f"{spec}: an allocation of {largest} bytes (d*d*4 = {d * d * 4})"
