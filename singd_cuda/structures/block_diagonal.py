@@ -1,7 +1,133 @@
-"""Placeholder being replaced by its implementation (work in progress)."""
+"""Block-diagonal factors: general b x b blocks, ≈ b·d storage, Π̂ = the diagonal blocks."""
 
-from .base import StructuredMatrix
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from .base import StructuredMatrix, accumulation_dtype, upcast
 
 
 class BlockDiagonal(StructuredMatrix):
+    """blockdiag(K_1, ..., K_n, L) of dimension d, general (non-symmetric) blocks.
+
+    With b = min(block_size, d), n = d // b full blocks and r = d - n·b:
+
+    * part ``blocks``: (n, b, b), the full blocks K_1..K_n in order;
+    * part ``last``: (r, r), the smaller trailing block L (shape (0, 0) when b divides d).
+
+    A block size >= d gives one d x d block, i.e. the dense family. All products
+    are batched matmuls over ``blocks`` plus one matmul with ``last``.
+    """
+
     name = "block_diagonal"
+    parameters = ("block_size",)
+    default_values = (32,)
+    part_names = ("blocks", "last")
+    block_size: ClassVar[int]
+
+    @classmethod
+    def layout(cls, d: int) -> tuple[int, int, int]:
+        """(n, b, r): n full blocks of size b = min(block_size, d), then an r x r block."""
+        if cls.bound_values() is None:
+            raise ValueError(
+                f"'{cls.name}' needs a block size; use structures.get('{cls.name}:<block_size>')"
+            )
+        b = min(cls.block_size, max(d, 1))
+        n = d // b
+        return n, b, d - n * b
+
+    # ------------------------------------------------------------- constructors
+    @classmethod
+    def from_dense(cls, M: Tensor) -> BlockDiagonal:
+        """The diagonal blocks of M (d, d), copied; no d x d temporary."""
+        d = M.shape[0]
+        n, b, _ = cls.layout(d)
+        grid = M[: n * b, : n * b].unflatten(0, (n, b)).unflatten(2, (n, b))  # (n, b, n, b) view
+        blocks = grid.diagonal(dim1=0, dim2=2).permute(2, 0, 1).clone()
+        return cls(d, blocks=blocks, last=M[n * b :, n * b :].clone())
+
+    @classmethod
+    def project(cls, M: Tensor) -> BlockDiagonal:
+        return cls.from_dense(M)
+
+    @classmethod
+    def project_gram(cls, Y: Tensor) -> BlockDiagonal:
+        """Per-block Gram matrices Y_kᵀ Y_k for Y (N, d), one batched matmul."""
+        N, d = Y.shape
+        n, b, _ = cls.layout(d)
+        Y32 = upcast(Y)
+        Yb = Y32[:, : n * b].reshape(N, n, b).permute(1, 0, 2)  # (n, N, b)
+        Yl = Y32[:, n * b :]
+        return cls(
+            d,
+            blocks=torch.bmm(Yb.transpose(1, 2), Yb).to(Y.dtype),
+            last=(Yl.T @ Yl).to(Y.dtype),
+        )
+
+    @classmethod
+    def eye(cls, d: int, dtype: torch.dtype = torch.float32, device=None) -> BlockDiagonal:
+        n, b, r = cls.layout(d)
+        blocks = torch.eye(b, dtype=dtype, device=device).expand(n, b, b).clone()
+        return cls(d, blocks=blocks, last=torch.eye(r, dtype=dtype, device=device))
+
+    # ---------------------------------------------------------------- instance
+    def to_dense(self) -> Tensor:
+        blocks, last = self.parts["blocks"], self.parts["last"]
+        n, b, _ = blocks.shape
+        out = blocks.new_zeros(self.dim, self.dim)
+        grid = out[: n * b, : n * b].unflatten(0, (n, b)).unflatten(2, (n, b))
+        grid.diagonal(dim1=0, dim2=2).copy_(blocks.permute(1, 2, 0))
+        out[n * b :, n * b :] = last
+        return out
+
+    def _apply(self, X: Tensor, transpose: bool) -> Tensor:
+        """K @ X (or Kᵀ @ X) for X (d, m), in dtype promote(K, X)."""
+        out_dtype = torch.promote_types(self.dtype, X.dtype)
+        blocks = upcast(self.parts["blocks"], out_dtype)
+        last = upcast(self.parts["last"], out_dtype)
+        if transpose:
+            blocks, last = blocks.transpose(1, 2), last.T
+        n, b, _ = blocks.shape
+        m = X.shape[1]
+        X = upcast(X, out_dtype)
+        top = torch.bmm(blocks, X[: n * b].reshape(n, b, m)).reshape(n * b, m)
+        return torch.cat([top, last @ X[n * b :]]).to(out_dtype)
+
+    def matmul(self, X: Tensor) -> Tensor:
+        return self._apply(X, transpose=False)
+
+    def rmatmul(self, X: Tensor) -> Tensor:
+        return self._apply(X, transpose=True)
+
+    def __matmul__(self, other: StructuredMatrix) -> BlockDiagonal:
+        """Blockwise products K_k M_k; storage dtype of self."""
+        self._check_same_structure(other)
+        acc = accumulation_dtype(self.dtype, other.dtype)
+        mine, theirs = self.parts, other.parts
+        return type(self)(
+            self.dim,
+            blocks=torch.bmm(mine["blocks"].to(acc), theirs["blocks"].to(acc)).to(self.dtype),
+            last=(mine["last"].to(acc) @ theirs["last"].to(acc)).to(self.dtype),
+        )
+
+    def project_inner(self) -> BlockDiagonal:
+        """KᵀK is block diagonal already: the blockwise K_kᵀ K_k."""
+        blocks, last = upcast(self.parts["blocks"]), upcast(self.parts["last"])
+        return type(self)(
+            self.dim,
+            blocks=torch.bmm(blocks.transpose(1, 2), blocks).to(self.dtype),
+            last=(last.T @ last).to(self.dtype),
+        )
+
+    def trace(self) -> Tensor:
+        blocks, last = upcast(self.parts["blocks"]), upcast(self.parts["last"])
+        return blocks.diagonal(dim1=1, dim2=2).sum() + last.diagonal().sum()
+
+    def add_identity_(self, alpha: float = 1.0) -> BlockDiagonal:
+        for part in self.parts.values():
+            diag = part.diagonal(dim1=-2, dim2=-1)
+            diag.copy_(upcast(diag).add_(alpha))
+        return self
