@@ -55,7 +55,10 @@ def get(structure: str | type[StructuredMatrix]) -> type[StructuredMatrix]:
         raise ValueError(
             f"structure '{structure}': parameters must be integers; valid names: {valid_names()}"
         ) from None
-    return family.bind(*args)
+    try:
+        return family.bind(*args)
+    except ValueError as error:
+        raise ValueError(f"{error}; valid names: {valid_names()}") from None
 
 
 __all__ = [

@@ -40,7 +40,7 @@ def upcast(tensor: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     return tensor.to(accumulation_dtype(tensor.dtype if dtype is None else dtype))
 
 
-class StructuredMatrix(ABC):  # noqa: PLW1641 (matrices are not hashable values)
+class StructuredMatrix(ABC):
     """A d x d matrix of a structured family, stored as named tensors.
 
     Subclasses set ``name`` (the registry name), ``parameters`` (the names of

@@ -41,14 +41,6 @@ def test_a_class_passes_through():
     assert get(BlockDiagonal) is get("block_diagonal:32")
 
 
-# Strict: once get() adds the valid names to bind()'s errors these pass and the mark must go.
-BIND_ERRORS = pytest.mark.xfail(
-    raises=AssertionError,
-    strict=True,
-    reason="registry gap: errors raised by bind() do not list the valid names",
-)
-
-
 @pytest.mark.parametrize(
     "spec",
     [
@@ -56,10 +48,10 @@ BIND_ERRORS = pytest.mark.xfail(
         "blockdiagonal:32",
         "block_diagonal:x",
         "block_diagonal:3.5",
-        pytest.param("block_diagonal:0", marks=BIND_ERRORS),
-        pytest.param("block_diagonal:-4", marks=BIND_ERRORS),
-        pytest.param("block_diagonal:4,4", marks=BIND_ERRORS),
-        pytest.param("dense:3", marks=BIND_ERRORS),
+        "block_diagonal:0",
+        "block_diagonal:-4",
+        "block_diagonal:4,4",
+        "dense:3",
         3,
     ],
 )
