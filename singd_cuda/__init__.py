@@ -1,7 +1,8 @@
 """singd_cuda: low-precision structured second-order optimizers for PyTorch."""
 
 from . import structures
+from .optim import SINGD, AdaFisher
 
 __version__ = "0.1.0"
 
-__all__ = ["structures"]
+__all__ = ["SINGD", "AdaFisher", "structures"]

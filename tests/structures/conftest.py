@@ -48,7 +48,9 @@ def assert_close_normwise(actual: torch.Tensor, expected: torch.Tensor, dtype: t
     assert actual.shape == expected.shape, (actual.shape, expected.shape)
     scale = expected.abs().max().clamp_min(1e-30) if expected.numel() else 1.0
     err = (actual - expected).abs().max() if expected.numel() else 0.0
-    assert err <= RTOL[dtype] * scale, f"error {float(err):.3e} > {RTOL[dtype]:.1e} * {float(scale):.3e}"
+    assert err <= RTOL[dtype] * scale, (
+        f"error {float(err):.3e} > {RTOL[dtype]:.1e} * {float(scale):.3e}"
+    )
 
 
 def random_member(S, d: int, dtype: torch.dtype, generator: torch.Generator):

@@ -48,7 +48,9 @@ class TestFamily:
 
     def test_eye_and_zeros(self, spec, d):
         S = get(spec)
-        assert torch.equal(S.eye(d, dtype=torch.float64).to_dense(), torch.eye(d, dtype=torch.float64))
+        assert torch.equal(
+            S.eye(d, dtype=torch.float64).to_dense(), torch.eye(d, dtype=torch.float64)
+        )
         assert torch.equal(S.zeros(d, dtype=torch.float64).to_dense(), torch.zeros(d, d).double())
         assert S.eye(d, dtype=torch.bfloat16).dtype == torch.bfloat16
 
@@ -113,7 +115,9 @@ class TestOperations:
         S = get(spec)
         K = random_member(S, d, dtype, gen)
         Kd = K.to_dense().double()
-        assert_close_normwise(K.project_inner().to_dense(), reference_projection(S, Kd.T @ Kd), dtype)
+        assert_close_normwise(
+            K.project_inner().to_dense(), reference_projection(S, Kd.T @ Kd), dtype
+        )
 
     def test_in_place_arithmetic_and_scalars(self, spec, d, dtype, gen):
         S = get(spec)
@@ -153,7 +157,14 @@ def test_mixing_structures_is_an_error(gen):
 
 @pytest.mark.parametrize(
     "spec",
-    ["diagonal", "block_diagonal:32", "low_rank:8", "tril_toeplitz", "triu_toeplitz", "hierarchical:15,15"],
+    [
+        "diagonal",
+        "block_diagonal:32",
+        "low_rank:8",
+        "tril_toeplitz",
+        "triu_toeplitz",
+        "hierarchical:15,15",
+    ],
 )
 def test_no_dense_temporaries(spec, gen):
     """No allocation of a d x d matrix (or anything near it) in non-dense structures."""
@@ -162,7 +173,9 @@ def test_no_dense_temporaries(spec, gen):
     M = random_member(S, d, torch.float32, gen)
     Y = torch.randn(64, d, generator=gen)
     X = torch.randn(d, 64, generator=gen)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    ) as prof:
         S.project_gram(Y)
         K.matmul(X)
         K.rmatmul(X)
@@ -171,4 +184,6 @@ def test_no_dense_temporaries(spec, gen):
         K.clone().add_(M, alpha=0.5).mul_(2.0)
         K.trace()
     largest = max((e.cpu_memory_usage for e in prof.events()), default=0)
-    assert largest < d * d * 4 // 8, f"{spec}: an allocation of {largest} bytes (d*d*4 = {d * d * 4})"
+    assert largest < d * d * 4 // 8, (
+        f"{spec}: an allocation of {largest} bytes (d*d*4 = {d * d * 4})"
+    )

@@ -1,0 +1,113 @@
+"""Per-layer-type rules: how a supported layer's input, output gradient and
+parameter gradient become the matrices a (N x d_K), g (N x d_C) and G (d_C x d_K).
+
+Supported layers: ``nn.Linear`` (any leading dims, flattened into N) and
+``nn.Conv2d`` (groups, stride, dilation, every padding and padding mode; the
+input is unfolded into patches, averaged over channel groups). With a bias, a
+column of ones is appended to a and the bias gradient to G.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+SUPPORTED_LAYERS = (nn.Linear, nn.Conv2d)
+LOSS_AVERAGES = ("batch", "batch+sequence", None)
+
+
+@dataclass(eq=False)
+class Layer:
+    """One preconditioned layer: its module, its trained parameters and factor sizes."""
+
+    name: str
+    module: nn.Module
+    weight: nn.Parameter
+    bias: nn.Parameter | None  # None when absent or not trained by the optimizer
+
+    @property
+    def dim_in(self) -> int:
+        """d_K: flattened weight columns, plus one for a trained bias."""
+        return self.weight[0].numel() + (self.bias is not None)
+
+    @property
+    def dim_out(self) -> int:
+        """d_C: output features / channels."""
+        return self.weight.shape[0]
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [self.weight] if self.bias is None else [self.weight, self.bias]
+
+
+def _conv_patches(module: nn.Conv2d, x: Tensor) -> Tensor:
+    """Unfolded patches (B * O1 * O2, C_in/groups * k1 * k2), averaged over groups."""
+    padding = module.padding
+    if module.padding_mode != "zeros" or isinstance(padding, str):
+        # pad as the layer's own forward does ('same' may be asymmetric)
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
+        padding = (0, 0)
+    if module.groups > 1:
+        batch, channels = x.shape[:2]
+        x = x.reshape(batch, module.groups, channels // module.groups, *x.shape[2:]).mean(1)
+    patches = F.unfold(
+        x, module.kernel_size, dilation=module.dilation, padding=padding, stride=module.stride
+    )
+    return patches.transpose(1, 2).flatten(0, 1)
+
+
+def input_matrix(layer: Layer, x: Tensor, dtype: torch.dtype) -> Tensor:
+    """a: (N, d_K) in ``dtype``, the layer input with ones for the bias, scaled by 1/√N."""
+    x = x.detach().to(dtype)
+    if isinstance(layer.module, nn.Conv2d):
+        a = _conv_patches(layer.module, x if x.dim() == 4 else x.unsqueeze(0))
+    else:
+        a = x.reshape(-1, x.shape[-1])
+    if layer.bias is not None:
+        a = torch.cat([a, a.new_ones(a.shape[0], 1)], dim=1)
+    return a / math.sqrt(max(a.shape[0], 1))
+
+
+def grad_output_matrix(layer: Layer, grad: Tensor, loss_average: str | None, dtype) -> Tensor:
+    """g: (N, d_C) in ``dtype``, the output gradient scaled by √L (L loss terms)."""
+    grad = grad.detach().to(dtype)
+    if isinstance(layer.module, nn.Conv2d):
+        if grad.dim() == 3:
+            grad = grad.unsqueeze(0)
+        num_terms = grad.shape[0] * (
+            grad.shape[2:].numel() if loss_average == "batch+sequence" else 1
+        )
+        g = grad.permute(0, 2, 3, 1).reshape(-1, grad.shape[1])
+    else:
+        leading = grad.shape[:-1]
+        if loss_average == "batch+sequence":
+            num_terms = leading.numel()
+        else:
+            num_terms = leading[0] if len(leading) else 1
+        g = grad.reshape(-1, grad.shape[-1])
+    if loss_average is None:
+        return g
+    return g * math.sqrt(num_terms)
+
+
+def gradient_matrix(layer: Layer, dtype: torch.dtype) -> Tensor:
+    """G: (d_C, d_K) in ``dtype``, the weight gradient with the bias gradient appended."""
+    G = layer.weight.grad.detach().reshape(layer.dim_out, -1).to(dtype)
+    if layer.bias is None:
+        return G
+    bias_grad = layer.bias.grad
+    if bias_grad is None:
+        bias_grad = torch.zeros_like(layer.bias)
+    return torch.cat([G, bias_grad.detach().reshape(-1, 1).to(dtype)], dim=1)
+
+
+def split_matrix(layer: Layer, M: Tensor) -> list[Tensor]:
+    """Inverse of :func:`gradient_matrix`: M (d_C, d_K) into tensors shaped like the params."""
+    if layer.bias is None:
+        return [M.reshape(layer.weight.shape)]
+    return [M[:, :-1].reshape(layer.weight.shape), M[:, -1].reshape(layer.bias.shape)]

@@ -1,0 +1,7 @@
+"""The optimizers: SINGD (and IKFAC), AdaFisher, and the dense K-FAC baseline."""
+
+from .adafisher import AdaFisher
+from .base import KroneckerOptimizer
+from .singd import SINGD
+
+__all__ = ["SINGD", "AdaFisher", "KroneckerOptimizer"]

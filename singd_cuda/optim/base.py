@@ -1,0 +1,417 @@
+"""What every Kronecker-factored optimizer here shares.
+
+:class:`KroneckerOptimizer` finds the supported layers of a model, captures
+their curvature statistics on update steps, handles AMP (loss-scale unscaling
+of gradients and statistics, skipped steps on inf), runs one :class:`LayerRule`
+per layer (the math of one method for one layer, in one place) and trains every
+other parameter with the built-in AdamW fallback.
+
+Step schedule (as in the published SINGD code): steps count from 0; on a step
+t with t % T == 0 the statistics of the forwards/backwards before it update
+the factors, then the gradient is preconditioned with the new factors. A step
+skipped for a non-finite gradient changes no state, not even the counter.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from ..curvature.capture import CurvatureCapture
+from ..curvature.layers import (
+    LOSS_AVERAGES,
+    SUPPORTED_LAYERS,
+    Layer,
+    grad_output_matrix,
+    gradient_matrix,
+    input_matrix,
+)
+from ..structures.base import accumulation_dtype
+from .fallback import adamw_update_
+
+Schedule = float | Callable[[int], float]
+
+
+def scheduled(value: Schedule, step: int) -> float:
+    """A hyperparameter that may be a callable of the step count."""
+    return value(step) if callable(value) else value
+
+
+class LayerRule(ABC):
+    """The math of one method for one layer.
+
+    ``pending`` holds the statistics captured since the last step under the
+    keys "in" (input side, a) and "out" (output-gradient side, g); both are
+    linear in aᵀa and gᵀg respectively and support ``mul_``.
+    """
+
+    @abstractmethod
+    def init_state(self, layer: Layer, group: dict, state: dict) -> None:
+        """Create the layer's factors in ``state`` (the weight's state)."""
+
+    @abstractmethod
+    def accumulate(
+        self, layer: Layer, group: dict, state: dict, pending: dict, a: Tensor, g: Tensor
+    ) -> None:
+        """Add one backward pass's statistics (a: N x d_K, g: N x d_C) to ``pending``."""
+
+    @abstractmethod
+    def update_factors(
+        self, layer: Layer, group: dict, state: dict, pending: dict, step: int
+    ) -> None:
+        """Update the factors from the normalised, unscaled ``pending`` statistics."""
+
+    @abstractmethod
+    def apply(
+        self,
+        layer: Layer,
+        group: dict,
+        states: list[dict],
+        G: Tensor,
+        step: int,
+        generator: torch.Generator | None,
+    ) -> None:
+        """Precondition G (d_C x d_K, unscaled) and update the layer's parameters.
+
+        ``states`` are the states of ``layer.params`` in order.
+        """
+
+
+class KroneckerOptimizer(Optimizer):
+    """Base class; subclasses provide defaults and pick a :class:`LayerRule` per group."""
+
+    _step_supports_amp_scaling = True  # GradScaler hands us grad_scale / found_inf
+    common_defaults: ClassVar[dict[str, Any]] = dict(
+        loss_average="batch",
+        factor_dtype=None,
+        stochastic_rounding=False,
+        fallback_lr=None,
+        fallback_betas=(0.9, 0.999),
+        fallback_eps=1e-8,
+        fallback_weight_decay=0.0,
+    )
+
+    def __init__(
+        self,
+        model: nn.Module,
+        params: Iterable[nn.Parameter] | Iterable[dict] | None,
+        defaults: dict[str, Any],
+        grad_scaler: torch.amp.GradScaler | None = None,
+        nonfinite: str = "warn",
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"the first argument must be the model (an nn.Module), got {type(model).__name__}; "
+                f"use {type(self).__name__}(model, lr=...) rather than passing parameters first"
+            )
+        if nonfinite not in ("warn", "raise"):
+            raise ValueError(f"nonfinite must be 'warn' or 'raise', got {nonfinite!r}")
+        self.model = model
+        self.grad_scaler = grad_scaler
+        self.nonfinite = nonfinite
+        if params is None:
+            params = [p for p in model.parameters() if p.requires_grad]
+        super().__init__(params, {**self.common_defaults, **defaults, "step": 0})
+        self._check_params_in_model(model)
+        self._layers = self._find_layers(model)
+        self._layer_group = {layer: self._group_index(layer.weight) for layer in self._layers}
+        in_layers = {id(p) for layer in self._layers for p in layer.params}
+        self._fallback_params = [
+            p for g in self.param_groups for p in g["params"] if id(p) not in in_layers
+        ]
+        self._pending: dict[Layer, dict] = {}
+        self._capture = CurvatureCapture(
+            model, self._layers, self._wants_statistics, self._on_statistics
+        )
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    # ---------------------------------------------------------------- set-up
+    @abstractmethod
+    def rule_for(self, group: dict) -> LayerRule:
+        """The layer rule of a parameter group."""
+
+    def validate_group(self, group: dict) -> None:
+        """Raise ValueError for invalid hyperparameters of a group (extended by subclasses)."""
+        for key in ("lr", "weight_decay", "fallback_weight_decay", "fallback_eps"):
+            value = group[key]
+            if not callable(value) and not (isinstance(value, int | float) and value >= 0):
+                raise ValueError(f"{key} must be a number >= 0, got {value!r}")
+        if group["fallback_lr"] is not None and group["fallback_lr"] < 0:
+            raise ValueError(f"fallback_lr must be >= 0 or None, got {group['fallback_lr']!r}")
+        if group["loss_average"] not in LOSS_AVERAGES:
+            raise ValueError(
+                f"loss_average must be one of {LOSS_AVERAGES}, got {group['loss_average']!r}"
+            )
+        dtype = group["factor_dtype"]
+        if dtype is not None and dtype not in (
+            torch.float64,
+            torch.float32,
+            torch.bfloat16,
+            torch.float16,
+        ):
+            raise ValueError(
+                f"factor_dtype must be None or one of torch.float64, float32, bfloat16, float16; "
+                f"got {dtype!r}"
+            )
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        self.validate_group(self.param_groups[-1])
+
+    def _check_params_in_model(self, model: nn.Module) -> None:
+        in_model = {id(p) for p in model.parameters()}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if id(p) not in in_model:
+                    raise ValueError(
+                        f"a parameter of shape {tuple(p.shape)} is not a parameter of the model; "
+                        "pass params drawn from model.parameters() (or params=None for all)"
+                    )
+
+    def _group_index(self, param: Tensor) -> int:
+        for index, group in enumerate(self.param_groups):
+            if any(p is param for p in group["params"]):
+                return index
+        raise KeyError("parameter not in any group")
+
+    def _find_layers(self, model: nn.Module) -> list[Layer]:
+        trained = {id(p) for g in self.param_groups for p in g["params"]}
+        layers = []
+        for name, module in model.named_modules():
+            if not isinstance(module, SUPPORTED_LAYERS) or id(module.weight) not in trained:
+                continue
+            bias = module.bias if module.bias is not None and id(module.bias) in trained else None
+            layer = Layer(name or type(module).__name__, module, module.weight, bias)
+            if bias is not None and self._group_index(bias) != self._group_index(module.weight):
+                raise ValueError(
+                    f"the weight and bias of layer '{layer.name}' are in different parameter "
+                    "groups; a layer is preconditioned as one block, so put both in one group"
+                )
+            layers.append(layer)
+        if not layers:
+            supported = ", ".join(c.__name__ for c in SUPPORTED_LAYERS)
+            raise ValueError(
+                f"the model has no supported layer ({supported}) "
+                f"whose weight is trained by this optimizer; {type(self).__name__} needs at least "
+                "one (for a model without any, use torch.optim.AdamW)"
+            )
+        return layers
+
+    @property
+    def layers(self) -> list[Layer]:
+        """The preconditioned layers, in model order."""
+        return list(self._layers)
+
+    def group_of(self, layer: Layer) -> dict:
+        return self.param_groups[self._layer_group[layer]]
+
+    # ---------------------------------------------------------- statistics
+    def _wants_statistics(self, layer: Layer) -> bool:
+        group = self.group_of(layer)
+        return group["step"] % self.update_period(group) == 0
+
+    def update_period(self, group: dict) -> int:
+        """T for the group's current step (T may be a callable of the step)."""
+        period = int(scheduled(group["T"], group["step"]))
+        if period < 1:
+            raise ValueError(f"T must be >= 1, got {period}")
+        return period
+
+    def _on_statistics(self, layer: Layer, layer_input: Tensor, grad_output: Tensor) -> None:
+        group = self.group_of(layer)
+        dtype = accumulation_dtype(layer.weight.dtype)
+        a = input_matrix(layer, layer_input, dtype)
+        g = grad_output_matrix(layer, grad_output, group["loss_average"], dtype)
+        state = self.state[layer.weight]
+        if not state:
+            self.rule_for(group).init_state(layer, group, state)
+        pending = self._pending.setdefault(layer, {})
+        self.rule_for(group).accumulate(layer, group, state, pending, a, g)
+
+    # ----------------------------------------------------------------- AMP
+    def _loss_scale(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """(grad_scale, statistics_scale, found_inf) for this step.
+
+        grad_scale: the factor still on the gradients (None: already unscaled).
+        statistics_scale: the factor on the captured output gradients.
+        """
+        found_inf = getattr(self, "found_inf", None)
+        grad_scale = getattr(self, "grad_scale", None)
+        if grad_scale is not None:
+            return grad_scale, grad_scale, found_inf
+        if found_inf is None:  # no GradScaler involved in this step
+            return None, None, None
+        # scaler.unscale_(opt) ran before step: gradients are unscaled, statistics are not
+        if self.grad_scaler is not None:
+            return None, self.grad_scaler.get_scale() * torch.ones((), device="cpu"), found_inf
+        if self._pending:
+            raise ValueError(
+                "scaler.unscale_(optimizer) was called before step, so the optimizer cannot "
+                "see the loss scale its curvature statistics carry; pass grad_scaler=scaler "
+                f"to {type(self).__name__}(...)"
+            )
+        return None, None, found_inf
+
+    def _grads_finite(self) -> bool:
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if not grads:
+            return True
+        return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+
+    def _skip(self, reason: str) -> None:
+        """Drop this step's statistics and change nothing else."""
+        self._pending.clear()
+        self._capture.reset()
+        if reason:
+            if self.nonfinite == "raise":
+                raise FloatingPointError(reason)
+            warnings.warn(reason, RuntimeWarning, stacklevel=3)
+
+    # ---------------------------------------------------------------- step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale, stats_scale, found_inf = self._loss_scale()
+        if found_inf is not None and bool(found_inf.item()):
+            self._skip("")  # the GradScaler skips and backs off; that is routine
+            return loss
+        if found_inf is None and not self._grads_finite():
+            self._skip(
+                f"{type(self).__name__}: non-finite gradient, step skipped and statistics "
+                "dropped (use torch.amp.GradScaler for fp16; nonfinite='raise' to raise)"
+            )
+            return loss
+        self._normalise_statistics(stats_scale)
+        for layer in self._layers:
+            self._layer_step(layer, grad_scale)
+        self._fallback_step(grad_scale)
+        for group in self.param_groups:
+            group["step"] += 1
+        self._pending.clear()
+        self._capture.reset()
+        return loss
+
+    def _normalise_statistics(self, stats_scale: Tensor | None) -> None:
+        """Sum over k micro-batches → the statistics of one batch of k times the size;
+        remove the loss scale from the output-gradient side."""
+        micro_batches = max(1, self._capture.forward_passes)
+        out_factor = float(micro_batches)
+        if stats_scale is not None:
+            out_factor = out_factor / float(stats_scale) ** 2
+        for pending in self._pending.values():
+            pending["in"].mul_(1.0 / micro_batches)
+            pending["out"].mul_(out_factor)
+
+    def _layer_step(self, layer: Layer, grad_scale: Tensor | None) -> None:
+        if layer.weight.grad is None:
+            return  # unused in this step
+        group = self.group_of(layer)
+        rule = self.rule_for(group)
+        state = self.state[layer.weight]
+        if not state:
+            rule.init_state(layer, group, state)
+        pending = self._pending.get(layer)
+        if pending is not None:
+            rule.update_factors(layer, group, state, pending, group["step"])
+        G = gradient_matrix(layer, accumulation_dtype(layer.weight.dtype))
+        if grad_scale is not None:
+            G = G / grad_scale.to(G.device, G.dtype)
+        states = [self.state[p] for p in layer.params]
+        rule.apply(layer, group, states, G, group["step"], self._generator(group, layer.weight))
+
+    def _generator(self, group: dict, param: Tensor) -> torch.Generator | None:
+        """Seeded per (device, step) so stochastic rounding replays after a checkpoint."""
+        if not group["stochastic_rounding"] or param.dtype != torch.bfloat16:
+            return None
+        generator = self._generators.setdefault(param.device, torch.Generator(param.device))
+        generator.manual_seed(group["step"] * 1_000_003 + self._layer_group.get(param, 0))
+        return generator
+
+    def _fallback_step(self, grad_scale: Tensor | None) -> None:
+        for p in self._fallback_params:
+            if p.grad is None:
+                continue
+            group = self.param_groups[self._group_index(p)]
+            grad = p.grad if grad_scale is None else p.grad / grad_scale.to(p.grad.device)
+            adamw_update_(
+                p,
+                grad,
+                self.state[p],
+                lr=group["lr"] if group["fallback_lr"] is None else group["fallback_lr"],
+                betas=group["fallback_betas"],
+                eps=group["fallback_eps"],
+                weight_decay=group["fallback_weight_decay"],
+                generator=self._generator(group, p),
+            )
+
+    # ---------------------------------------------------------- checkpoints
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state; unlike torch.optim, every state tensor keeps its own dtype."""
+        saved = state_dict["state"]
+        super().load_state_dict(state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        for index, param_state in saved.items():
+            param = params[index]
+            self.state[param] = _keep_dtypes(
+                saved_value=param_state, loaded=self.state[param], device=param.device
+            )
+
+    def remove_hooks(self) -> None:
+        """Detach the optimizer from the model (no more statistics are captured)."""
+        self._capture.remove()
+
+
+def _keep_dtypes(saved_value: Any, loaded: Any, device: torch.device) -> Any:
+    if isinstance(saved_value, Tensor):
+        return (
+            saved_value.to(device=device, copy=True) if saved_value.is_floating_point() else loaded
+        )
+    if isinstance(saved_value, dict):
+        return {k: _keep_dtypes(v, loaded[k], device) for k, v in saved_value.items()}
+    return loaded
+
+
+def check_positive(group: dict, *keys: str, allow_zero: bool = True) -> None:
+    """ValueError unless every key of ``group`` is a (scheduled) number in range."""
+    for key in keys:
+        value = group[key]
+        if callable(value):
+            continue
+        ok = (
+            isinstance(value, int | float)
+            and math.isfinite(value)
+            and (value >= 0 if allow_zero else value > 0)
+        )
+        if not ok:
+            bound = ">= 0" if allow_zero else "> 0"
+            raise ValueError(f"{key} must be a number {bound}, got {value!r}")
+
+
+def checked_fallback(fallback: dict[str, Any]) -> dict[str, Any]:
+    """The ``fallback_*`` keyword arguments; TypeError for any other unknown keyword."""
+    common = KroneckerOptimizer.common_defaults
+    unknown = set(fallback) - {k for k in common if k.startswith("fallback_")}
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s) {sorted(unknown)}")
+    return fallback
+
+
+def validate_common(group: dict, *unit_interval: str) -> None:
+    """Damping >= 0, each of ``unit_interval`` in [0, 1), T an integer >= 1 or a callable."""
+    check_positive(group, "damping")
+    for key in unit_interval:
+        if not callable(group[key]) and not 0.0 <= group[key] < 1.0:
+            raise ValueError(f"{key} must be in [0, 1), got {group[key]!r}")
+    period = group["T"]
+    if not callable(period) and not (isinstance(period, int) and period >= 1):
+        raise ValueError(f"T must be an integer >= 1 or a callable of the step, got {period!r}")

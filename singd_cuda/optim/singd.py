@@ -1,0 +1,200 @@
+"""SINGD: structured inverse-free natural gradient descent (Lin et al., ICML 2024).
+
+DESIGN.md section 2. Per layer: structured factors K (d_K x d_K) and C
+(d_C x d_C) with Riemannian momenta m_K, m_C; the preconditioner is
+(K Kᵀ) ⊗ (C Cᵀ). No inversion or decomposition anywhere, so the factors can
+live in bfloat16/float16 (``factor_dtype``) with float32 accumulation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .. import structures as structure_registry
+from ..curvature.layers import Layer, split_matrix
+from ..structures.base import StructuredMatrix, accumulation_dtype
+from .adafisher import ADAFISHER, AdaFisherRule
+from .base import (
+    KroneckerOptimizer,
+    LayerRule,
+    check_positive,
+    checked_fallback,
+    scheduled,
+    validate_common,
+)
+from .epilogue import sgd_momentum_update_
+
+StructureSpec = str | type[StructuredMatrix]
+
+
+def resolve_structures(spec: Any) -> tuple[str, str]:
+    """(K side, C side) spec strings from a name, a pair, or structure classes.
+
+    "adafisher" stands alone (both sides). Raises ValueError for anything unknown.
+    """
+    if spec == ADAFISHER:
+        return (ADAFISHER, ADAFISHER)
+    pair = tuple(spec) if isinstance(spec, list | tuple) else (spec, spec)
+    if len(pair) != 2:
+        raise ValueError(f"structures must be one name or a (K side, C side) pair, got {spec!r}")
+    if ADAFISHER in pair:
+        raise ValueError("'adafisher' applies to both sides: pass structures='adafisher'")
+    try:
+        return tuple(structure_registry.get(s).spec() for s in pair)  # type: ignore[return-value]
+    except ValueError as error:
+        raise ValueError(f"{error} (or '{ADAFISHER}')") from None
+
+
+class SingdRule(LayerRule):
+    """SINGD's factor update and preconditioning for one layer (DESIGN.md section 2)."""
+
+    def _classes(self, group: dict) -> tuple[type[StructuredMatrix], type[StructuredMatrix]]:
+        K_spec, C_spec = group["structures"]
+        return structure_registry.get(K_spec), structure_registry.get(C_spec)
+
+    def _factors(self, layer: Layer, group: dict, state: dict) -> dict[str, StructuredMatrix]:
+        S_K, S_C = self._classes(group)
+        return {
+            "K": S_K.from_parts(layer.dim_in, state["K"]),
+            "m_K": S_K.from_parts(layer.dim_in, state["m_K"]),
+            "C": S_C.from_parts(layer.dim_out, state["C"]),
+            "m_C": S_C.from_parts(layer.dim_out, state["m_C"]),
+        }
+
+    def init_state(self, layer: Layer, group: dict, state: dict) -> None:
+        S_K, S_C = self._classes(group)
+        dtype = group["factor_dtype"] or layer.weight.dtype
+        device = layer.weight.device
+        state["K"] = S_K.eye(layer.dim_in, dtype=dtype, device=device).parts
+        state["m_K"] = S_K.zeros(layer.dim_in, dtype=dtype, device=device).parts
+        state["C"] = S_C.eye(layer.dim_out, dtype=dtype, device=device).parts
+        state["m_C"] = S_C.zeros(layer.dim_out, dtype=dtype, device=device).parts
+
+    def accumulate(self, layer, group, state, pending, a: Tensor, g: Tensor) -> None:
+        """H_K += Π̂(Kᵀ aᵀa K) and H_C += Π̂(Cᵀ gᵀg C), as Gram matrices of aK and gC."""
+        factors = self._factors(layer, group, state)
+        K, C = factors["K"], factors["C"]
+        H_K = type(K).project_gram(K.rmatmul(a.T).T)
+        H_C = type(C).project_gram(C.rmatmul(g.T).T)
+        if "in" in pending:
+            pending["in"].add_(H_K)
+            pending["out"].add_(H_C)
+        else:
+            pending["in"], pending["out"] = H_K, H_C
+
+    def update_factors(self, layer, group, state, pending, step: int) -> None:
+        f = self._factors(layer, group, state)
+        K, C, H_K, H_C = f["K"], f["C"], pending["in"], pending["out"]
+        dtype = accumulation_dtype(K.dtype, C.dtype, H_K.dtype)
+        KtK = K.project_inner().to(dtype)
+        CtC = C.project_inner().to(dtype)
+        damping = scheduled(group["damping"], step)
+        if group["kfac_like"]:
+            scale_H_K = scale_H_C = scale_KtK = scale_CtC = 1.0
+        else:
+            scale_H_K, scale_H_C = H_C.average_trace(), H_K.average_trace()
+            scale_KtK, scale_CtC = CtC.average_trace(), KtK.average_trace()
+        alpha1 = 0.0 if group["kfac_like"] else group["alpha1"]
+        lr_cov = scheduled(group["lr_cov"], step)
+        for side, H, scale_H, inner, scale_inner in (
+            ("K", H_K.to(dtype), scale_H_K, KtK, scale_KtK),
+            ("C", H_C.to(dtype), scale_H_C, CtC, scale_CtC),
+        ):
+            # m̂ = ½[scale_H·H + λ·scale_inner·Π̂(FᵀF) − I]
+            m_hat = H.mul_(scale_H).add_(inner, alpha=damping * float(scale_inner))
+            m_hat.add_identity_(-1.0).mul_(0.5)
+            m = f[f"m_{side}"].mul_(alpha1).add_(m_hat)
+            beta1 = lr_cov
+            if group["normalize_lr_cov"]:
+                beta1 = beta1 / max(1.0, float(m.abs_max()))
+            factor = f[side]
+            factor.add_(factor @ m, alpha=-beta1)
+
+    def apply(self, layer, group, states, G: Tensor, step: int, generator) -> None:
+        """Ĝ = (C Cᵀ) G (K Kᵀ), then momentum SGD with weight decay on each parameter."""
+        f = self._factors(layer, group, states[0])
+        K, C = f["K"], f["C"]
+        natural = C.matmul(C.rmatmul(G))
+        natural = K.matmul(K.rmatmul(natural.T)).T
+        for param, state, direction in zip(
+            layer.params, states, split_matrix(layer, natural), strict=True
+        ):
+            sgd_momentum_update_(
+                param,
+                direction,
+                state,
+                lr=group["lr"],
+                momentum=group["momentum"],
+                weight_decay=group["weight_decay"],
+                generator=generator,
+            )
+
+
+class SINGD(KroneckerOptimizer):
+    """Structured inverse-free natural gradient descent.
+
+    ``SINGD(model, lr=1e-3, momentum=0.9, damping=1e-3, alpha1=0.5, weight_decay=0.0,
+    T=10, lr_cov=1e-2, structures="dense", kfac_like=False, ...)``: see the README.
+    ``structures`` is a name ("dense", "diagonal", "block_diagonal:32", "low_rank:8",
+    "tril_toeplitz", "triu_toeplitz", "hierarchical:15,15"), a (K side, C side) pair,
+    structure classes, or "adafisher" (AdaFisher's diagonal rule, DESIGN.md section 4).
+    ``kfac_like=True`` is IKFAC (alpha1 forced to 0). ``damping``, ``lr_cov`` and ``T``
+    may be callables of the step. Parameters of other modules train with AdamW
+    (``fallback_*`` settings).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        params=None,
+        lr: float = 1e-3,
+        momentum: float = 0.9,
+        damping: float = 1e-3,
+        alpha1: float = 0.5,
+        weight_decay: float = 0.0,
+        T: int = 10,
+        lr_cov: float = 1e-2,
+        structures: Any = "dense",
+        kfac_like: bool = False,
+        normalize_lr_cov: bool = False,
+        loss_average: str | None = "batch",
+        factor_dtype: torch.dtype | None = None,
+        stochastic_rounding: bool = False,
+        ema_decay: float = 0.8,
+        decoupled_weight_decay: bool = False,
+        grad_scaler: torch.amp.GradScaler | None = None,
+        nonfinite: str = "warn",
+        **fallback: Any,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            damping=damping,
+            alpha1=alpha1,
+            weight_decay=weight_decay,
+            T=T,
+            lr_cov=lr_cov,
+            structures=structures,
+            kfac_like=kfac_like,
+            normalize_lr_cov=normalize_lr_cov,
+            loss_average=loss_average,
+            factor_dtype=factor_dtype,
+            stochastic_rounding=stochastic_rounding,
+            ema_decay=ema_decay,
+            decoupled_weight_decay=decoupled_weight_decay,
+        )
+        defaults.update(checked_fallback(fallback))
+        self._rules = {"singd": SingdRule(), ADAFISHER: AdaFisherRule()}
+        super().__init__(model, params, defaults, grad_scaler=grad_scaler, nonfinite=nonfinite)
+
+    def validate_group(self, group: dict) -> None:
+        super().validate_group(group)
+        group["structures"] = resolve_structures(group["structures"])
+        check_positive(group, "lr_cov")
+        validate_common(group, "momentum", "alpha1", "ema_decay")
+
+    def rule_for(self, group: dict) -> LayerRule:
+        return self._rules[ADAFISHER if group["structures"][0] == ADAFISHER else "singd"]
