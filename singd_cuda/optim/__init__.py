@@ -2,6 +2,7 @@
 
 from .adafisher import AdaFisher
 from .base import KroneckerOptimizer
+from .kfac import KFAC
 from .singd import SINGD
 
-__all__ = ["SINGD", "AdaFisher", "KroneckerOptimizer"]
+__all__ = ["KFAC", "SINGD", "AdaFisher", "KroneckerOptimizer"]

@@ -224,10 +224,12 @@ class KroneckerOptimizer(Optimizer):
             raise ValueError(f"T must be >= 1, got {period}")
         return period
 
-    def _on_statistics(self, layer: Layer, layer_input: Tensor, grad_output: Tensor) -> None:
+    def _on_statistics(
+        self, layer: Layer, layer_input: Tensor, grad_output: Tensor, with_input: bool = True
+    ) -> None:
         group = self.group_of(layer)
         dtype = accumulation_dtype(layer.weight.dtype)
-        a = input_matrix(layer, layer_input, dtype)
+        a = input_matrix(layer, layer_input, dtype) if with_input else None
         g = grad_output_matrix(layer, grad_output, group["loss_average"], dtype)
         state = self.state[layer.weight]
         if not state:

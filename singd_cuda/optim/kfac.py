@@ -1,0 +1,201 @@
+"""The dense K-FAC baseline (Martens & Grosse, 2015), with explicit inversion.
+
+Per layer: dense factors A ≈ E[aaᵀ] (d_K x d_K) and G ≈ E[ggᵀ] (d_C x d_C),
+exponential moving averages refreshed every T steps; every ``T_inv`` steps the
+damped inverses (A + √λ I)⁻¹ and (G + √λ I)⁻¹ are recomputed (by ``inverse``:
+"inverse" = torch.linalg.inv, "eigen" = an eigendecomposition). The gradient is
+preconditioned as G⁻¹ ∇W A⁻¹ and applied with momentum SGD.
+
+It exists to show where explicit inversion breaks in low precision: factors and
+inverses may be stored in bfloat16/float16 (``factor_dtype``); the inversion
+itself is upcast to float32 because torch requires it, and the result is stored
+back in the factor dtype.
+
+``fisher="empirical"`` (default) uses the gradients of the loss; ``fisher="ggn"``
+uses the generalised Gauss-Newton: call :meth:`KFAC.capture_ggn` on the model
+output before ``loss.backward()`` on update steps.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..curvature.layers import Layer, split_matrix
+from ..structures.base import accumulation_dtype
+from .base import (
+    KroneckerOptimizer,
+    LayerRule,
+    checked_fallback,
+    scheduled,
+    validate_common,
+)
+from .epilogue import sgd_momentum_update_
+
+INVERSE_METHODS = ("inverse", "eigen")
+FISHER_TYPES = ("empirical", "ggn")
+GGN_LOSSES = ("mse", "cross_entropy")
+
+
+def damped_inverse(factor: Tensor, damping: float, method: str) -> Tensor:
+    """(F + damping·I)⁻¹ for a symmetric F, computed in float32 (float64 for float64)."""
+    F = factor.to(accumulation_dtype(factor.dtype))
+    eye = torch.eye(F.shape[0], dtype=F.dtype, device=F.device)
+    if method == "inverse":
+        return torch.linalg.inv(F + damping * eye)
+    eigenvalues, Q = torch.linalg.eigh(F)
+    return (Q / (eigenvalues + damping)) @ Q.T
+
+
+class KfacRule(LayerRule):
+    """K-FAC's factor EMA, damped inversion and preconditioning for one layer."""
+
+    def init_state(self, layer: Layer, group: dict, state: dict) -> None:
+        dtype = group["factor_dtype"] or layer.weight.dtype
+        device = layer.weight.device
+        for key, dim in (("A", layer.dim_in), ("G", layer.dim_out)):
+            state[key] = torch.zeros(dim, dim, dtype=dtype, device=device)
+            state[f"{key}_inv"] = torch.eye(dim, dtype=dtype, device=device)
+        state["factor_updates"] = 0
+
+    def accumulate(self, layer, group, state, pending, a: Tensor | None, g: Tensor) -> None:
+        """Sums of aᵀa and gᵀg (a carries 1/√N and g √L, so these are averages).
+
+        ``a`` is None on the extra backward passes of a GGN capture (one per output).
+        """
+        if a is not None:
+            A_new = a.T @ a
+            pending["in"] = pending["in"].add_(A_new) if "in" in pending else A_new
+        G_new = g.T @ g
+        pending["out"] = pending["out"].add_(G_new) if "out" in pending else G_new
+
+    def update_factors(self, layer, group, state, pending, step: int) -> None:
+        # the first update takes the statistics as they are (no bias towards zero)
+        decay = group["stat_decay"] if state["factor_updates"] > 0 else 0.0
+        for key, new in (("A", pending["in"]), ("G", pending["out"])):
+            ema = state[key].to(new.dtype).mul_(decay).add_(new, alpha=1.0 - decay)
+            state[key].copy_(ema)
+        state["factor_updates"] += 1
+        if step % (group["T_inv"] or 1) == 0:
+            root = math.sqrt(scheduled(group["damping"], step))
+            for key in ("A", "G"):
+                state[f"{key}_inv"].copy_(damped_inverse(state[key], root, group["inverse"]))
+
+    def apply(self, layer, group, states, G: Tensor, step: int, generator) -> None:
+        """G_inv ∇W A_inv, then momentum SGD with weight decay."""
+        state = states[0]
+        natural = state["G_inv"].to(G.dtype) @ G @ state["A_inv"].to(G.dtype)
+        for param, param_state, direction in zip(
+            layer.params, states, split_matrix(layer, natural), strict=True
+        ):
+            sgd_momentum_update_(
+                param,
+                direction,
+                param_state,
+                lr=group["lr"],
+                momentum=group["momentum"],
+                weight_decay=group["weight_decay"],
+                generator=generator,
+            )
+
+
+class KFAC(KroneckerOptimizer):
+    """Dense K-FAC: ``KFAC(model, lr=1e-3, momentum=0.9, damping=1e-3, weight_decay=0.0,
+    T=10, T_inv=None, stat_decay=0.95, inverse="inverse", fisher="empirical", ...)``.
+
+    ``T_inv`` (None: at every factor update) recomputes the inverses on the factor
+    updates whose step is a multiple of it (use a multiple of T).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        params=None,
+        lr: float = 1e-3,
+        momentum: float = 0.9,
+        damping: float = 1e-3,
+        weight_decay: float = 0.0,
+        T: int = 10,
+        T_inv: int | None = None,
+        stat_decay: float = 0.95,
+        inverse: str = "inverse",
+        fisher: str = "empirical",
+        loss_average: str | None = "batch",
+        factor_dtype: torch.dtype | None = None,
+        stochastic_rounding: bool = False,
+        grad_scaler: torch.amp.GradScaler | None = None,
+        nonfinite: str = "warn",
+        **fallback: Any,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            damping=damping,
+            weight_decay=weight_decay,
+            T=T,
+            T_inv=T_inv,
+            stat_decay=stat_decay,
+            inverse=inverse,
+            fisher=fisher,
+            loss_average=loss_average,
+            factor_dtype=factor_dtype,
+            stochastic_rounding=stochastic_rounding,
+        )
+        defaults.update(checked_fallback(fallback))
+        self._rule = KfacRule()
+        self._ggn_column: int | None = None  # the output column a GGN capture is on
+        super().__init__(model, params, defaults, grad_scaler=grad_scaler, nonfinite=nonfinite)
+
+    def validate_group(self, group: dict) -> None:
+        super().validate_group(group)
+        validate_common(group, "momentum", "stat_decay")
+        if group["inverse"] not in INVERSE_METHODS:
+            raise ValueError(f"inverse must be one of {INVERSE_METHODS}, got {group['inverse']!r}")
+        if group["fisher"] not in FISHER_TYPES:
+            raise ValueError(f"fisher must be one of {FISHER_TYPES}, got {group['fisher']!r}")
+        T_inv = group["T_inv"]
+        if T_inv is not None and not (isinstance(T_inv, int) and T_inv >= 1):
+            raise ValueError(f"T_inv must be None or an integer >= 1, got {T_inv!r}")
+
+    def rule_for(self, group: dict) -> LayerRule:
+        return self._rule
+
+    def _on_statistics(self, layer: Layer, layer_input: Tensor, grad_output: Tensor) -> None:
+        # with fisher="ggn", only the backward passes of capture_ggn count
+        capturing = self._ggn_column is not None
+        if (self.group_of(layer)["fisher"] == "ggn") == capturing:
+            with_input = not capturing or self._ggn_column == 0
+            super()._on_statistics(layer, layer_input, grad_output, with_input=with_input)
+
+    def capture_ggn(self, output: Tensor, loss: str = "mse") -> None:
+        """Capture GGN statistics by backpropagating the loss Hessian's square root.
+
+        output: the model output, (B, ..., c) logits or predictions, still in the graph.
+        loss: "mse" (per-term loss ½‖f − y‖², Hessian I) or "cross_entropy" (softmax
+        over the last dim, Hessian diag(p) − ppᵀ). The per-term losses are averaged as
+        ``loss_average`` says. One backward pass per output dimension; ``.grad`` is
+        untouched, so call ``loss.backward()`` afterwards as usual.
+        """
+        if loss not in GGN_LOSSES:
+            raise ValueError(f"loss must be one of {GGN_LOSSES}, got {loss!r}")
+        flat = output.reshape(-1, output.shape[-1])
+        terms = {"batch": output.shape[0], "batch+sequence": flat.shape[0], None: 1}
+        num_terms = terms[self.param_groups[0]["loss_average"]]
+        with torch.no_grad():
+            if loss == "mse":
+                root = torch.eye(flat.shape[1], dtype=flat.dtype, device=flat.device)
+                root = root.expand(flat.shape[0], -1, -1)
+            else:
+                p = torch.softmax(flat.float(), dim=-1).to(flat.dtype)
+                root = torch.diag_embed(p.sqrt()) - p.unsqueeze(2) * p.sqrt().unsqueeze(1)
+        params = [p for layer in self._layers for p in layer.params]
+        try:
+            for column in range(flat.shape[1]):
+                self._ggn_column = column
+                vector = (root[:, :, column] / num_terms).reshape(output.shape)
+                torch.autograd.grad(output, params, vector, retain_graph=True, allow_unused=True)
+        finally:
+            self._ggn_column = None
