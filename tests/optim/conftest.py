@@ -1,0 +1,170 @@
+"""Shared models, data and comparison helpers for the optimizer tests.
+
+The models are small on purpose (the whole of tests/optim must run in a few
+minutes on two CPU cores) but exercise every layer rule: Linear with and
+without bias, Conv2d with stride, padding, dilation, groups and a non-zero
+padding mode.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+IN_FEATURES, NUM_CLASSES, IMAGE = 12, 5, (3, 8, 8)
+
+
+def make_mlp(bias: bool = True, dtype=torch.float32, seed: int = 0, inplace: bool = False):
+    """12 → 16 → 16 → 5 with Tanh and ReLU (``inplace`` for the ReLU)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(IN_FEATURES, 16, bias=bias),
+        nn.Tanh(),
+        nn.Linear(16, 16, bias=bias),
+        nn.ReLU(inplace=inplace),
+        nn.Linear(16, NUM_CLASSES, bias=bias),
+    ).to(dtype)
+
+
+def make_cnn(bias: bool = True, dtype=torch.float32, seed: int = 0, padding_mode: str = "circular"):
+    """3x8x8 images: strided conv, grouped dilated conv with ``padding_mode``, linear head."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Conv2d(3, 6, 3, stride=2, padding=1, bias=bias),  # 8x8 -> 4x4
+        nn.Tanh(),
+        nn.Conv2d(6, 8, 3, padding=2, dilation=2, groups=2, bias=bias, padding_mode=padding_mode),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(8 * 4 * 4, NUM_CLASSES, bias=bias),
+    ).to(dtype)
+
+
+MODELS = {"mlp": make_mlp, "cnn": make_cnn}
+
+
+def input_shape(kind: str) -> tuple[int, ...]:
+    return (IN_FEATURES,) if kind == "mlp" else IMAGE
+
+
+def random_batches(
+    kind: str, steps: int, batch_size: int = 16, dtype=torch.float32, seed: int = 1
+) -> list[tuple[Tensor, Tensor]]:
+    """``steps`` batches of random inputs and random class labels."""
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        (
+            torch.randn(batch_size, *input_shape(kind), generator=gen, dtype=dtype),
+            torch.randint(0, NUM_CLASSES, (batch_size,), generator=gen),
+        )
+        for _ in range(steps)
+    ]
+
+
+def teacher_dataset(kind: str, size: int = 512, seed: int = 2, label_noise: float = 0.1):
+    """A learnable classification set: labels of a fixed random teacher, a few flipped.
+
+    The flipped labels keep the loss floor away from zero, so a relative
+    comparison of final losses is meaningful.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(size, *input_shape(kind), generator=gen)
+    teacher = MODELS[kind](seed=seed + 100)
+    with torch.no_grad():
+        y = teacher(x * 2.0).argmax(1)
+    flip = torch.rand(size, generator=gen) < label_noise
+    y[flip] = torch.randint(0, NUM_CLASSES, (int(flip.sum()),), generator=gen)
+    return x, y
+
+
+def cycle_batches(x: Tensor, y: Tensor, batch_size: int) -> Iterator[tuple[Tensor, Tensor]]:
+    """Consecutive slices, wrapping around forever (deterministic)."""
+    start = 0
+    while True:
+        idx = torch.arange(start, start + batch_size) % x.shape[0]
+        yield x[idx], y[idx]
+        start += batch_size
+
+
+def loss_fn(output: Tensor, target: Tensor) -> Tensor:
+    return F.cross_entropy(output.float(), target)
+
+
+def train(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    batches,
+    steps: int | None = None,
+    autocast_dtype: torch.dtype | None = None,
+    before_step: Callable[[int], None] | None = None,
+) -> list[float]:
+    """The plain loop: zero_grad, forward, backward, step. Returns the losses."""
+    losses = []
+    for t, (x, y) in enumerate(batches):
+        if steps is not None and t >= steps:
+            break
+        opt.zero_grad()
+        with torch.autocast(
+            "cpu", dtype=autocast_dtype or torch.bfloat16, enabled=bool(autocast_dtype)
+        ):
+            loss = loss_fn(model(x), y)
+        loss.backward()
+        if before_step is not None:
+            before_step(t)
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def clone_model(model: nn.Module) -> nn.Module:
+    return copy.deepcopy(model)
+
+
+def flat_state(state_dict: dict) -> dict[str, object]:
+    """Every leaf of an optimizer state_dict under a path name (tensors and numbers)."""
+    out: dict[str, object] = {}
+
+    def walk(prefix: str, value) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(f"{prefix}/{key}", item)
+        elif isinstance(value, list | tuple) and prefix.endswith("params"):
+            out[prefix] = list(value)
+        else:
+            out[prefix] = value
+
+    walk("state", state_dict["state"])
+    for index, group in enumerate(state_dict["param_groups"]):
+        walk(f"group{index}", group)
+    return out
+
+
+def assert_bitwise_equal(a: Tensor, b: Tensor, what: str = "") -> None:
+    assert a.dtype == b.dtype, f"{what}: dtype {a.dtype} != {b.dtype}"
+    assert a.shape == b.shape, f"{what}: shape {a.shape} != {b.shape}"
+    assert torch.equal(a, b), f"{what}: max diff {(a.double() - b.double()).abs().max()}"
+
+
+def assert_states_equal(first: dict, second: dict) -> None:
+    """Two optimizer state_dicts hold the same leaves, tensors bitwise equal."""
+    a, b = flat_state(first), flat_state(second)
+    assert a.keys() == b.keys(), a.keys() ^ b.keys()
+    for key in a:
+        if isinstance(a[key], Tensor):
+            assert_bitwise_equal(a[key], b[key], key)
+        else:
+            assert a[key] == b[key], (key, a[key], b[key])
+
+
+def assert_models_equal(first: nn.Module, second: nn.Module) -> None:
+    for (name, p), q in zip(first.named_parameters(), second.parameters(), strict=True):
+        assert_bitwise_equal(p.detach(), q.detach(), name)
+
+
+def snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[list[Tensor], dict]:
+    """Copies of the parameters and of the full optimizer state."""
+    params = [p.detach().clone() for p in model.parameters()]
+    return params, copy.deepcopy(opt.state_dict())
