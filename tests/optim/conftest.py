@@ -11,11 +11,22 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 IN_FEATURES, NUM_CLASSES, IMAGE = 12, 5, (3, 8, 8)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_intra_op_thread():
+    """The tensors here are tiny: intra-op threads only add overhead, and on a shared
+    two-core machine oversubscription makes them 10x slower. Restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def make_mlp(bias: bool = True, dtype=torch.float32, seed: int = 0, inplace: bool = False):
