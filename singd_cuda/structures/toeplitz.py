@@ -1,11 +1,246 @@
-"""Placeholder being replaced by its implementation (work in progress)."""
+"""Triangular Toeplitz factors: d coefficients, products as convolutions.
 
-from .base import StructuredMatrix
+A lower triangular Toeplitz matrix L(c) has L[i, k] = c[i - k] for i >= k and
+0 above the diagonal; the upper form U(c) = L(c)ᵀ holds c[j] on the j-th
+super-diagonal. Both families are closed under multiplication:
+L(a) L(b) = L(a * b) and U(a) U(b) = U(a * b), with ``*`` the polynomial
+product truncated to d terms.
+
+Fast paths (no d x d temporary, O(n d log d) work) use real FFTs of a length
+L >= 2d - 1, so circular convolutions equal the linear ones on the d entries
+kept:
+
+- L(c) X is the causal convolution of c with each column of X, Lᵀ X the
+  anticausal one: Lᵀ = J L J with J the reversal.
+- Π̂(YᵀY): the j-th sub- (and super-) diagonal of YᵀY sums to the lag-j
+  autocorrelation r_j = Σ_n Σ_i Y[n, i] Y[n, i + j], so c_0 = r_0 / d and
+  c_j = 2 r_j / (d - j).
+- Π̂(KᵀK): for K = L(c), (KᵀK)[i, k] = Σ_{t=0}^{d-1-i} c[t] c[t + j] with
+  j = i - k >= 0; summing over the d - j entries of that diagonal counts the
+  term c[t] c[t + j] once per i in [j, d - 1 - t], i.e. d - j - t = d - (t + j)
+  times. So the diagonal sum is S_j = Σ_t c[t] w[t + j] c[t + j] with
+  w[s] = d - s: a cross-correlation of c with w∘c. K = U(c) gives the same
+  S_j (KᵀK = L Lᵀ = J (Lᵀ L) J, and the reversal maps the j-th diagonal onto
+  the -j-th, which has the same sum for a symmetric matrix).
+
+Half-precision storage is upcast to float32 before any FFT; float64 stays in
+float64.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from .base import StructuredMatrix, accumulation_dtype, upcast
+
+# Below this dimension matmul / rmatmul multiply by the dense d x d matrix:
+# cheaper than two FFTs there, and d² entries are at most a few KiB.
+_DIRECT_MAX_DIM = 32
+# The last lags of an autocorrelation are summed directly (see _lagged_products_sum).
+_DIRECT_TAIL = 64
 
 
-class TrilToeplitz(StructuredMatrix):
+def _fft_length(n: int) -> int:
+    """The smallest 5-smooth integer >= n (a fast FFT size)."""
+    best = 1
+    while best < n:
+        best *= 2
+    odd = 1  # runs over 3^a 5^b below best
+    odd_factors = []
+    while odd < best:
+        five = odd
+        while five < best:
+            odd_factors.append(five)
+            five *= 5
+        odd *= 3
+    for factor in odd_factors:
+        candidate = factor
+        while candidate < n:
+            candidate *= 2
+        best = min(best, candidate)
+    return best
+
+
+def _diagonal_sums(M: Tensor) -> Tensor:
+    """s of length 2d - 1 with s[d - 1 + j] = Σ_{i - k = j} M[i, k], j in (-d, d).
+
+    Flipping the columns and laying the rows out with stride 2d - 1 puts every
+    diagonal of M into one column (the usual skew trick); O(d²) like M itself.
+    """
+    d = M.shape[0]
+    padded = torch.nn.functional.pad(M.flip(1), (0, d))  # (d, 2d); entry (i, k) -> col d-1-k
+    skewed = padded.reshape(-1)[: d * (2 * d - 1)].reshape(d, 2 * d - 1)
+    # Row i of ``padded`` starts at 2d·i = (2d - 1)·i + i, so column d-1-k moves to d-1+(i-k).
+    return skewed.sum(0)
+
+
+def _rfft_padded(X: Tensor, n_fft: int) -> Tensor:
+    """rfft of X (..., d) zero-padded to n_fft along the last dim.
+
+    Copying X into a padded buffer first transposes (when X is a transposed
+    view) and pads in one pass; rfft(X, n=n_fft) would copy twice.
+    """
+    d = X.shape[-1]
+    padded = X.new_empty((*X.shape[:-1], n_fft))
+    padded[..., :d].copy_(X)
+    padded[..., d:].zero_()
+    return torch.fft.rfft(padded)
+
+
+def _toeplitz_apply(c: Tensor, X: Tensor, transpose: bool) -> Tensor:
+    """L(c) x (``transpose`` False) or L(c)ᵀ x along the last dim of X (..., d), via FFT.
+
+    L(c) x is the causal convolution y[i] = Σ_{m<=i} c[m] x[i - m]; L(c)ᵀ x the
+    correlation y[k] = Σ_m c[m] x[k + m], i.e. the same product with conj(rfft(c)).
+    """
+    d = c.shape[-1]
+    n_fft = _fft_length(2 * d - 1)
+    C = torch.fft.rfft(c, n=n_fft)
+    if transpose:
+        C = C.conj()
+    spectrum = _rfft_padded(X, n_fft)
+    spectrum.mul_(C)
+    return torch.fft.irfft(spectrum, n=n_fft)[..., :d]
+
+
+def _lagged_products_sum(a: Tensor, b: Tensor) -> Tensor:
+    """r[j] = Σ_rows Σ_t a[.., t] b[.., t + j] for j in [0, d), along the last dim.
+
+    The FFT's error is about eps · r[0] / sqrt(d) on every lag, which the last
+    lags (few terms, later divided by d - j) would feel most; those lags, and
+    all of them for small d, come from the m x m corner aᵀ[:m] b[d-m:] instead.
+    """
+    d, same = a.shape[-1], b is a
+    a, b = a.reshape(-1, d), b.reshape(-1, d)
+    m = min(d, _DIRECT_TAIL)
+    # corner[p, q] pairs t = p with t + j = d - m + q: lag j = d - m + (q - p).
+    corner = a[:, :m].T @ b[:, d - m :]
+    tail = _diagonal_sums(corner.T)[m - 1 :]
+    if m == d:
+        return tail
+    n_fft = _fft_length(2 * d - 1)
+    A = _rfft_padded(a, n_fft)
+    B = A if same else _rfft_padded(b, n_fft)
+    # Summing the spectra over the rows first needs one inverse FFT only.
+    spectrum = (A.conj() * B).sum(0)
+    return torch.cat((torch.fft.irfft(spectrum, n=n_fft)[: d - m], tail))
+
+
+def _coeffs_from_symmetric_sums(sums: Tensor, d: int) -> Tensor:
+    """Π̂ coefficients from the j-th diagonal sums (j >= 0) of a symmetric matrix."""
+    counts = torch.arange(d, 0, -1, dtype=sums.dtype, device=sums.device)  # d - j
+    scale = torch.full_like(sums, 2.0)
+    scale[0] = 1.0
+    return sums * scale / counts
+
+
+class _TriangularToeplitz(StructuredMatrix):
+    """Shared implementation; ``lower`` picks the triangle. Part ``coeffs``: (d,)."""
+
+    part_names = ("coeffs",)
+    lower: ClassVar[bool]
+
+    # ------------------------------------------------------------- constructors
+    @classmethod
+    def from_dense(cls, M: Tensor) -> _TriangularToeplitz:
+        d = M.shape[0]
+        M_acc = upcast(M)
+        # Average each diagonal as its first entry plus the mean deviation from it, so a
+        # diagonal that is already constant comes back bit for bit.
+        first = torch.cat((M_acc[0].flip(0), M_acc[1:, 0]))  # first[d - 1 + (i - k)]
+        index = torch.arange(d, device=M.device)
+        lag = index.unsqueeze(1) - index.unsqueeze(0) + (d - 1)
+        sums = _diagonal_sums(M_acc - first[lag])
+        if cls.lower:
+            offsets, first = sums[d - 1 :], first[d - 1 :]
+        else:
+            offsets, first = sums[:d].flip(0), first[:d].flip(0)
+        counts = torch.arange(d, 0, -1, dtype=offsets.dtype, device=M.device)
+        return cls(d, coeffs=(first + offsets / counts).to(M.dtype))
+
+    @classmethod
+    def project(cls, M: Tensor) -> _TriangularToeplitz:
+        d = M.shape[0]
+        sums = _diagonal_sums(upcast(M))
+        # (sub-diagonal sum + super-diagonal sum) / 2: exact for a symmetric M.
+        symmetric_sums = (sums[d - 1 :] + sums[:d].flip(0)) / 2
+        return cls(d, coeffs=_coeffs_from_symmetric_sums(symmetric_sums, d).to(M.dtype))
+
+    @classmethod
+    def project_gram(cls, Y: Tensor) -> _TriangularToeplitz:
+        d = Y.shape[1]
+        Y_acc = upcast(Y)
+        autocorrelation = _lagged_products_sum(Y_acc, Y_acc)
+        return cls(d, coeffs=_coeffs_from_symmetric_sums(autocorrelation, d).to(Y.dtype))
+
+    @classmethod
+    def eye(cls, d: int, dtype: torch.dtype = torch.float32, device=None) -> _TriangularToeplitz:
+        coeffs = torch.zeros(d, dtype=dtype, device=device)
+        coeffs[:1] = 1
+        return cls(d, coeffs=coeffs)
+
+    # ------------------------------------------------------------------ instance
+    def to_dense(self) -> Tensor:
+        c = self.parts["coeffs"]
+        d = self.dim
+        index = torch.arange(d, device=c.device)
+        lag = index.unsqueeze(1) - index.unsqueeze(0)  # i - k
+        if not self.lower:
+            lag = -lag
+        return torch.where(
+            lag >= 0, c[lag.clamp_min(0)], torch.zeros((), dtype=c.dtype, device=c.device)
+        )
+
+    def _apply(self, X: Tensor, transpose: bool) -> Tensor:
+        """L(c) X, or L(c)ᵀ X with ``transpose`` (c = coeffs; U(c) = L(c)ᵀ)."""
+        out_dtype = torch.promote_types(self.dtype, X.dtype)
+        acc = accumulation_dtype(out_dtype)
+        c, X_acc = upcast(self.parts["coeffs"], acc), upcast(X, acc)
+        if self.dim <= _DIRECT_MAX_DIM:
+            T = TrilToeplitz(self.dim, coeffs=c).to_dense()
+            return ((T.T if transpose else T) @ X_acc).to(out_dtype)
+        if X_acc.dim() == 1:
+            return _toeplitz_apply(c, X_acc, transpose).to(out_dtype)
+        # FFTs along the last dim of Xᵀ (n, d); the result is a transposed (d, n) view.
+        return _toeplitz_apply(c, X_acc.T, transpose).T.to(out_dtype)
+
+    def matmul(self, X: Tensor) -> Tensor:
+        return self._apply(X, transpose=not self.lower)
+
+    def rmatmul(self, X: Tensor) -> Tensor:
+        return self._apply(X, transpose=self.lower)
+
+    def __matmul__(self, other: StructuredMatrix) -> _TriangularToeplitz:
+        self._check_same_structure(other)
+        acc = accumulation_dtype(self.dtype, other.dtype)
+        a = upcast(self.parts["coeffs"], acc)
+        b = upcast(other.parts["coeffs"], acc)
+        return type(self)(self.dim, coeffs=_toeplitz_apply(a, b, transpose=False).to(self.dtype))
+
+    def project_inner(self) -> _TriangularToeplitz:
+        d = self.dim
+        c = upcast(self.parts["coeffs"])
+        weights = torch.arange(d, 0, -1, dtype=c.dtype, device=c.device)  # w[s] = d - s
+        diagonal_sums = _lagged_products_sum(c, weights * c)
+        return type(self)(d, coeffs=_coeffs_from_symmetric_sums(diagonal_sums, d).to(self.dtype))
+
+    def trace(self) -> Tensor:
+        c = upcast(self.parts["coeffs"])
+        return c[0] * self.dim if self.dim else c.sum()
+
+
+class TrilToeplitz(_TriangularToeplitz):
+    """Lower triangular Toeplitz: coeffs[j] on the j-th sub-diagonal."""
+
     name = "tril_toeplitz"
+    lower = True
 
 
-class TriuToeplitz(StructuredMatrix):
+class TriuToeplitz(_TriangularToeplitz):
+    """Upper triangular Toeplitz: coeffs[j] on the j-th super-diagonal (= TrilToeplitz ᵀ)."""
+
     name = "triu_toeplitz"
+    lower = False

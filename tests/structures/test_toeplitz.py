@@ -1,0 +1,118 @@
+"""Toeplitz-specific checks beyond the generic contract tests."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from singd_cuda.structures import TrilToeplitz, TriuToeplitz, get
+
+from .conftest import assert_close_normwise
+
+
+def test_coefficient_layout_matches_hand_built_matrices():
+    c = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
+    lower = torch.tensor(
+        [[1, 0, 0, 0], [2, 1, 0, 0], [3, 2, 1, 0], [4, 3, 2, 1]], dtype=torch.float64
+    )
+    assert torch.equal(TrilToeplitz(4, coeffs=c).to_dense(), lower)
+    assert torch.equal(TriuToeplitz(4, coeffs=c).to_dense(), lower.T)
+    assert get("tril_toeplitz") is TrilToeplitz and get("triu_toeplitz") is TriuToeplitz
+    assert TrilToeplitz(4, coeffs=c).trace() == 4.0
+    assert TrilToeplitz.eye(3).parts["coeffs"].tolist() == [1.0, 0.0, 0.0]
+
+
+def test_from_dense_averages_each_diagonal():
+    M = torch.tensor([[1.0, 2.0, 7.0], [3.0, 5.0, 4.0], [6.0, 9.0, 0.0]], dtype=torch.float64)
+    # lower: diagonal (1, 5, 0), 1st sub-diagonal (3, 9), 2nd (6); upper: (2, 4), (7)
+    assert TrilToeplitz.from_dense(M).parts["coeffs"].tolist() == [2.0, 6.0, 6.0]
+    assert TriuToeplitz.from_dense(M).parts["coeffs"].tolist() == [2.0, 3.0, 7.0]
+
+    gen = torch.Generator().manual_seed(1)
+    for d in (1, 5, 40):
+        M = torch.randn(d, d, dtype=torch.float64, generator=gen)
+        tril = TrilToeplitz.from_dense(M).parts["coeffs"]
+        triu = TriuToeplitz.from_dense(M).parts["coeffs"]
+        expected_tril = torch.stack([M.diagonal(-j).mean() for j in range(d)])
+        expected_triu = torch.stack([M.diagonal(j).mean() for j in range(d)])
+        torch.testing.assert_close(tril, expected_tril, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(triu, expected_triu, rtol=1e-12, atol=1e-12)
+
+
+def test_from_dense_keeps_constant_diagonals_exactly():
+    c = torch.tensor([0.1, 1 / 3, -2.7, 1e-3, 5.5, 0.7], dtype=torch.float64)
+    for S in (TrilToeplitz, TriuToeplitz):
+        assert torch.equal(S.from_dense(S(6, coeffs=c).to_dense()).parts["coeffs"], c)
+
+
+@pytest.mark.parametrize("d", [1, 3, 33, 100])
+def test_triu_is_tril_transposed(d):
+    gen = torch.Generator().manual_seed(d)
+    a = torch.randn(d, dtype=torch.float64, generator=gen)
+    b = torch.randn(d, dtype=torch.float64, generator=gen)
+    X = torch.randn(d, 4, dtype=torch.float64, generator=gen)
+    Y = torch.randn(6, d, dtype=torch.float64, generator=gen)
+    L, U = TrilToeplitz(d, coeffs=a), TriuToeplitz(d, coeffs=a)
+    assert torch.equal(U.to_dense(), L.to_dense().T)
+    torch.testing.assert_close(U.matmul(X), L.rmatmul(X), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(U.rmatmul(X), L.matmul(X), rtol=1e-12, atol=1e-12)
+    # U(a) U(b) = (L(b) L(a))ᵀ = U(a * b): the same coefficients as the lower product.
+    product_u = (U @ TriuToeplitz(d, coeffs=b)).parts["coeffs"]
+    product_l = (L @ TrilToeplitz(d, coeffs=b)).parts["coeffs"]
+    torch.testing.assert_close(product_u, product_l, rtol=1e-12, atol=1e-12)
+    # Π̂ of a symmetric matrix (and of KᵀK, whose diagonal sums agree) is the same vector.
+    torch.testing.assert_close(
+        TriuToeplitz.project_gram(Y).parts["coeffs"],
+        TrilToeplitz.project_gram(Y).parts["coeffs"],
+    )
+    torch.testing.assert_close(U.project_inner().parts["coeffs"], L.project_inner().parts["coeffs"])
+
+
+@pytest.mark.parametrize("S", [TrilToeplitz, TriuToeplitz], ids=lambda S: S.name)
+@pytest.mark.parametrize("d", [257, 600])
+def test_project_inner_closed_form_against_dense(S, d):
+    """Π̂(KᵀK) from the weighted autocorrelation, at sizes beyond the contract's."""
+    gen = torch.Generator().manual_seed(d)
+    K = S(d, coeffs=torch.randn(d, dtype=torch.float64, generator=gen))
+    Kd = K.to_dense()
+    expected = S.project(Kd.T @ Kd).to_dense()
+    assert_close_normwise(K.project_inner().to_dense(), expected, torch.float64)
+
+
+def test_result_dtypes_promote():
+    K = TrilToeplitz.eye(40, dtype=torch.bfloat16)
+    assert K.matmul(torch.ones(40, 2)).dtype == torch.float32
+    assert K.to(torch.float64).rmatmul(torch.ones(40, 2)).dtype == torch.float64
+    assert TriuToeplitz.eye(40, dtype=torch.float16).matmul(torch.ones(40, 2)).dtype == (
+        torch.float32
+    )
+    assert (K @ TrilToeplitz.eye(40)).dtype == torch.bfloat16
+
+
+def test_large_d_against_float64_direct():
+    """d = 4096, float32 FFT paths against direct float64 sums on a few columns / lags."""
+    d = 4096
+    gen = torch.Generator().manual_seed(0)
+    c = torch.randn(d, generator=gen)
+    X = torch.randn(d, 3, generator=gen)
+    Y = torch.randn(8, d, generator=gen)
+    c64, X64, Y64 = c.double().numpy(), X.double().numpy(), Y.double().numpy()
+
+    lower, upper = TrilToeplitz(d, coeffs=c), TriuToeplitz(d, coeffs=c)
+    out_lower, out_upper = lower.matmul(X), upper.matmul(X)
+    for col in range(X.shape[1]):
+        # L(c) x: causal convolution; U(c) x = L(c)ᵀ x: the correlation, reversed.
+        causal = np.convolve(c64, X64[:, col])[:d]
+        anticausal = np.convolve(c64, X64[::-1, col])[:d][::-1].copy()
+        assert_close_normwise(out_lower[:, col], torch.from_numpy(causal), torch.float32)
+        assert_close_normwise(out_upper[:, col], torch.from_numpy(anticausal), torch.float32)
+    assert_close_normwise(lower.rmatmul(X), out_upper, torch.float32)
+
+    coeffs = TrilToeplitz.project_gram(Y).parts["coeffs"]
+    lags = [0, 1, 2, 17, 1000, 4094, 4095]
+    expected = []
+    for j in lags:
+        lagged = float((Y64[:, : d - j] * Y64[:, j:]).sum())
+        expected.append(lagged / d if j == 0 else 2 * lagged / (d - j))
+    assert_close_normwise(coeffs[lags], torch.tensor(expected), torch.float32)
