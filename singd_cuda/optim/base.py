@@ -127,6 +127,7 @@ class KroneckerOptimizer(Optimizer):
             p for g in self.param_groups for p in g["params"] if id(p) not in in_layers
         ]
         self._pending: dict[Layer, dict] = {}
+        self._created: list[Tensor] = []  # states first created by this step's statistics
         self._capture = CurvatureCapture(
             model, self._layers, self._wants_statistics, self._on_statistics
         )
@@ -234,6 +235,7 @@ class KroneckerOptimizer(Optimizer):
         state = self.state[layer.weight]
         if not state:
             self.rule_for(group).init_state(layer, group, state)
+            self._created.append(layer.weight)  # a skipped step removes it again
         pending = self._pending.setdefault(layer, {})
         self.rule_for(group).accumulate(layer, group, state, pending, a, g)
 
@@ -268,7 +270,10 @@ class KroneckerOptimizer(Optimizer):
         return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
 
     def _skip(self, reason: str) -> None:
-        """Drop this step's statistics and change nothing else."""
+        """Drop this step's statistics (and any state they created); change nothing else."""
+        for param in self._created:
+            self.state.pop(param, None)
+        self._created.clear()
         self._pending.clear()
         self._capture.reset()
         if reason:
@@ -299,6 +304,7 @@ class KroneckerOptimizer(Optimizer):
         self._fallback_step(grad_scale)
         for group in self.param_groups:
             group["step"] += 1
+        self._created.clear()
         self._pending.clear()
         self._capture.reset()
         return loss
