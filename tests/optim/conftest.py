@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from singd_cuda import SINGD, AdaFisher
+
 IN_FEATURES, NUM_CLASSES, IMAGE = 12, 5, (3, 8, 8)
 
 
@@ -55,6 +57,21 @@ def make_cnn(bias: bool = True, dtype=torch.float32, seed: int = 0, padding_mode
 
 
 MODELS = {"mlp": make_mlp, "cnn": make_cnn}
+
+# Optimizer cases shared by the behaviour tests: (class, keyword arguments).
+OPTIMIZERS = {
+    "singd-dense": (SINGD, dict(lr=0.05, lr_cov=0.05, T=2, weight_decay=1e-2)),
+    "singd-block_diagonal": (SINGD, dict(lr=0.05, lr_cov=0.05, T=2, structures="block_diagonal:5")),
+    "singd-tril_toeplitz": (SINGD, dict(lr=0.05, lr_cov=0.05, T=1, structures="tril_toeplitz")),
+    "singd-hierarchical": (SINGD, dict(lr=0.05, T=1, structures="hierarchical:4,4")),
+    "ikfac": (SINGD, dict(lr=0.05, lr_cov=0.05, T=2, kfac_like=True)),
+    "adafisher": (AdaFisher, dict(lr=0.01, T=1, weight_decay=1e-2)),
+}
+
+
+def make_optimizer(name: str, model: nn.Module, **extra) -> torch.optim.Optimizer:
+    cls, kwargs = OPTIMIZERS[name]
+    return cls(model, **{**kwargs, **extra})
 
 
 def input_shape(kind: str) -> tuple[int, ...]:
