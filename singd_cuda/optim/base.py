@@ -33,7 +33,12 @@ from ..curvature.layers import (
     gradient_matrix,
     input_matrix,
 )
-from ..structures.base import accumulation_dtype
+from ..distributed import comm as dist_comm
+from ..distributed import norm_fisher, recipe
+from ..distributed.ownership import layer_cost
+from ..distributed.synchronizer import DEFAULT_BUCKET_CAP_MB, Synchronizer
+from ..structures.base import accumulation_dtype, upcast
+from .epilogue import sgd_momentum_update_
 from .fallback import adamw_update_
 
 Schedule = float | Callable[[int], float]
@@ -83,6 +88,22 @@ class LayerRule(ABC):
         ``states`` are the states of ``layer.params`` in order.
         """
 
+    # Hooks for distributed training (singd_cuda.distributed); the defaults suit rules
+    # whose statistics never read the layer state.
+    def factor_structures(self, group: dict) -> tuple[str, str]:
+        """(K side, C side) structure names of the layer's factors, for the cost model."""
+        return ("dense", "dense")
+
+    def accumulate_shared(self, layer: Layer, group: dict, pending: dict, a, g) -> None:
+        """Like :meth:`accumulate`, without the layer state (``distribute_factors``: only
+        the owner of a layer holds it, every rank contributes statistics)."""
+        self.accumulate(layer, group, {}, pending, a, g)
+
+    def finish_shared(self, layer: Layer, group: dict, state: dict, pending: dict) -> None:
+        """On the owner, turn averaged :meth:`accumulate_shared` statistics into the
+        ``pending`` that :meth:`update_factors` expects (default: they are that already)."""
+        return None
+
 
 class KroneckerOptimizer(Optimizer):
     """Base class; subclasses provide defaults and pick a :class:`LayerRule` per group."""
@@ -96,6 +117,10 @@ class KroneckerOptimizer(Optimizer):
         fallback_betas=(0.9, 0.999),
         fallback_eps=1e-8,
         fallback_weight_decay=0.0,
+        norm_fisher=False,
+        norm_damping=1e-3,
+        weight_rescale=False,
+        momentum_lr_ratio=None,
     )
 
     def __init__(
@@ -105,6 +130,9 @@ class KroneckerOptimizer(Optimizer):
         defaults: dict[str, Any],
         grad_scaler: torch.amp.GradScaler | None = None,
         nonfinite: str = "warn",
+        process_group=None,
+        distribute_factors: bool = False,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(
@@ -113,6 +141,7 @@ class KroneckerOptimizer(Optimizer):
             )
         if nonfinite not in ("warn", "raise"):
             raise ValueError(f"nonfinite must be 'warn' or 'raise', got {nonfinite!r}")
+        model, ddp_wrapped = dist_comm.unwrap(model)  # hooks go on the inner module
         self.model = model
         self.grad_scaler = grad_scaler
         self.nonfinite = nonfinite
@@ -122,16 +151,40 @@ class KroneckerOptimizer(Optimizer):
         self._check_params_in_model(model)
         self._layers = self._find_layers(model)
         self._layer_group = {layer: self._group_index(layer.weight) for layer in self._layers}
-        in_layers = {id(p) for layer in self._layers for p in layer.params}
+        norm_params = {id(p) for g in self.param_groups if g["norm_fisher"] for p in g["params"]}
+        self._norm_layers = norm_fisher.find_norm_layers(model, lambda p: id(p) in norm_params)
+        self._norm_set = set(self._norm_layers)
+        for layer in self._norm_layers:
+            self._layer_group[layer] = self._group_index(layer.weight)
+        in_layers = {id(p) for layer in self._layers + self._norm_layers for p in layer.params}
         self._fallback_params = [
             p for g in self.param_groups for p in g["params"] if id(p) not in in_layers
         ]
         self._pending: dict[Layer, dict] = {}
         self._created: list[Tensor] = []  # states first created by this step's statistics
         self._capture = CurvatureCapture(
-            model, self._layers, self._wants_statistics, self._on_statistics
+            model, self._layers + self._norm_layers, self._wants_statistics, self._on_statistics
         )
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._param_index = {
+            id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])
+        }
+        self._sync: Synchronizer | None = None
+        if dist_comm.is_active(process_group):
+            costs = [
+                layer_cost(self.rule_for(g).factor_structures(g), layer.dim_in, layer.dim_out)
+                for layer in self._layers
+                for g in [self.group_of(layer)]
+            ]
+            self._sync = Synchronizer(
+                model,
+                self._layers,
+                costs,
+                process_group=process_group,
+                distribute_factors=distribute_factors,
+                bucket_cap_mb=bucket_cap_mb,
+                ddp_wrapped=ddp_wrapped,
+            )
 
     # ---------------------------------------------------------------- set-up
     @abstractmethod
@@ -161,6 +214,10 @@ class KroneckerOptimizer(Optimizer):
                 f"factor_dtype must be None or one of torch.float64, float32, bfloat16, float16; "
                 f"got {dtype!r}"
             )
+        check_positive(group, "norm_damping")
+        ratio = group["momentum_lr_ratio"]
+        if ratio is not None and not (isinstance(ratio, int | float) and ratio >= 0):
+            raise ValueError(f"momentum_lr_ratio must be None or a number >= 0, got {ratio!r}")
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -230,14 +287,40 @@ class KroneckerOptimizer(Optimizer):
     ) -> None:
         group = self.group_of(layer)
         dtype = accumulation_dtype(layer.weight.dtype)
+        pending = self._pending.setdefault(layer, {})
+        if layer in self._norm_set:
+            F = norm_fisher.norm_statistic(
+                layer, layer_input, grad_output, group["loss_average"], dtype
+            )
+            pending["out"] = pending["out"].add_(F) if "out" in pending else F
+            return
         a = input_matrix(layer, layer_input, dtype) if with_input else None
         g = grad_output_matrix(layer, grad_output, group["loss_average"], dtype)
+        self._accumulate(layer, group, pending, a, g)
+
+    def _accumulate(self, layer: Layer, group: dict, pending: dict, a, g) -> None:
+        rule = self.rule_for(group)
+        if self._sync is not None and self._sync.distribute_factors:
+            rule.accumulate_shared(layer, group, pending, a, g)  # no state off the owner
+            return
         state = self.state[layer.weight]
         if not state:
-            self.rule_for(group).init_state(layer, group, state)
+            rule.init_state(layer, group, state)
             self._created.append(layer.weight)  # a skipped step removes it again
-        pending = self._pending.setdefault(layer, {})
-        self.rule_for(group).accumulate(layer, group, state, pending, a, g)
+        rule.accumulate(layer, group, state, pending, a, g)
+
+    def _empty_statistics(self, layer: Layer) -> dict:
+        """Zero statistics of ``layer`` in the layout its captured ones have (for a rank
+        that captured none while others did)."""
+        dtype = accumulation_dtype(layer.weight.dtype)
+        device = layer.weight.device
+        if layer in self._norm_set:
+            return {"out": norm_fisher.empty_norm_statistic(layer, dtype, device)}
+        pending: dict = {}
+        a = torch.zeros(0, layer.dim_in, dtype=dtype, device=device)
+        g = torch.zeros(0, layer.dim_out, dtype=dtype, device=device)
+        self._accumulate(layer, self.group_of(layer), pending, a, g)
+        return pending
 
     # ----------------------------------------------------------------- AMP
     def _loss_scale(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
@@ -289,6 +372,10 @@ class KroneckerOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         grad_scale, stats_scale, found_inf = self._loss_scale()
+        if self._sync is not None:  # average first, so that every rank decides alike
+            self._normalise_statistics(stats_scale)
+            stats_scale = None
+            grad_scale, found_inf = self._synchronise(grad_scale, found_inf)
         if found_inf is not None and bool(found_inf.item()):
             self._skip("")  # the GradScaler skips and backs off; that is routine
             return loss
@@ -298,9 +385,16 @@ class KroneckerOptimizer(Optimizer):
                 "dropped (use torch.amp.GradScaler for fp16; nonfinite='raise' to raise)"
             )
             return loss
-        self._normalise_statistics(stats_scale)
+        if self._sync is None:
+            self._normalise_statistics(stats_scale)
+        for group in self.param_groups:
+            recipe.momentum_from_ratio(group)
         for layer in self._layers:
-            self._layer_step(layer, grad_scale)
+            if self._sync is None or self._sync.owns(layer):
+                self._layer_step(layer, grad_scale)
+        if self._sync is not None:
+            self._sync.share_parameters()
+        self._norm_step(grad_scale)
         self._fallback_step(grad_scale)
         for group in self.param_groups:
             group["step"] += 1
@@ -317,8 +411,22 @@ class KroneckerOptimizer(Optimizer):
         if stats_scale is not None:
             out_factor = out_factor / float(stats_scale) ** 2
         for pending in self._pending.values():
-            pending["in"].mul_(1.0 / micro_batches)
+            if "in" in pending:  # normalisation layers have an output side only
+                pending["in"].mul_(1.0 / micro_batches)
             pending["out"].mul_(out_factor)
+
+    def _synchronise(
+        self, grad_scale: Tensor | None, found_inf: Tensor | None
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """Average gradients (plain models) and this step's statistics over the ranks."""
+        assert self._sync is not None
+        stat_layers = [
+            layer for layer in self._layers + self._norm_layers if self._wants_statistics(layer)
+        ]
+        params = [p for group in self.param_groups for p in group["params"]]
+        return self._sync.synchronise(
+            self._pending, stat_layers, self._empty_statistics, params, grad_scale, found_inf
+        )
 
     def _layer_step(self, layer: Layer, grad_scale: Tensor | None) -> None:
         if layer.weight.grad is None:
@@ -330,20 +438,53 @@ class KroneckerOptimizer(Optimizer):
             rule.init_state(layer, group, state)
         pending = self._pending.get(layer)
         if pending is not None:
+            if self._sync is not None and self._sync.distribute_factors:
+                rule.finish_shared(layer, group, state, pending)
             rule.update_factors(layer, group, state, pending, group["step"])
         G = gradient_matrix(layer, accumulation_dtype(layer.weight.dtype))
         if grad_scale is not None:
             G = G / grad_scale.to(G.device, G.dtype)
         states = [self.state[p] for p in layer.params]
         rule.apply(layer, group, states, G, group["step"], self._generator(group, layer.weight))
+        if group["weight_rescale"]:
+            recipe.rescale_weight_(layer.weight)
 
     def _generator(self, group: dict, param: Tensor) -> torch.Generator | None:
-        """Seeded per (device, step) so stochastic rounding replays after a checkpoint."""
+        """Seeded per (step, parameter) so stochastic rounding replays after a checkpoint
+        and every parameter draws its own rounding noise."""
         if not group["stochastic_rounding"] or param.dtype != torch.bfloat16:
             return None
-        generator = self._generators.setdefault(param.device, torch.Generator(param.device))
-        generator.manual_seed(group["step"] * 1_000_003 + self._layer_group.get(param, 0))
+        generator = self._generators.get(param.device)
+        if generator is None:
+            generator = self._generators[param.device] = torch.Generator(param.device)
+        generator.manual_seed(group["step"] * 1_000_003 + self._param_index[id(param)])
         return generator
+
+    def _norm_step(self, grad_scale: Tensor | None) -> None:
+        """Normalisation-layer affine parameters under ``norm_fisher``: momentum SGD on
+        grad / (F + norm_damping), F the diagonal empirical Fisher of the last update step."""
+        for layer in self._norm_layers:
+            group = self.group_of(layer)
+            states = [self.state[p] for p in layer.params]
+            pending = self._pending.get(layer)
+            if pending is not None:
+                norm_fisher.store_fisher(layer, states, pending["out"])
+            damping = scheduled(group["norm_damping"], group["step"])
+            for param, state in zip(layer.params, states, strict=True):
+                if param.grad is None:
+                    continue
+                grad = upcast(param.grad)
+                if grad_scale is not None:
+                    grad = grad / grad_scale.to(grad.device, grad.dtype)
+                sgd_momentum_update_(
+                    param,
+                    norm_fisher.preconditioned(grad, state, damping),
+                    state,
+                    lr=group["lr"],
+                    momentum=group["momentum"],
+                    weight_decay=group["weight_decay"],
+                    generator=self._generator(group, param),
+                )
 
     def _fallback_step(self, grad_scale: Tensor | None) -> None:
         for p in self._fallback_params:
@@ -373,10 +514,35 @@ class KroneckerOptimizer(Optimizer):
             self.state[param] = _keep_dtypes(
                 saved_value=param_state, loaded=self.state[param], device=param.device
             )
+        if self._sync is not None:  # distribute_factors: keep only this rank's layers
+            for param in self._sync.foreign_params():
+                self.state.pop(param, None)
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """The whole optimizer state, on every rank (a collective: call it on all ranks).
+
+        Under ``distribute_factors=True`` each rank holds the factors and momenta of its
+        own layers only, so :meth:`state_dict` is this rank's shard; this gathers the
+        shards into the state_dict a replicated or single-process optimizer would have.
+        Save it from rank 0; restore with :meth:`load_full_state_dict` on every rank
+        (any world size, either mode, or a single process with ``load_state_dict``).
+        Without distribution or in the replicated mode it is :meth:`state_dict`.
+        """
+        local = self.state_dict()
+        if self._sync is None:
+            return local
+        params = [p for g in self.param_groups for p in g["params"]]
+        return self._sync.full_state_dict(local, {id(p): i for i, p in enumerate(params)})
+
+    def load_full_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a :meth:`full_state_dict` (each rank keeps the layers it owns)."""
+        self.load_state_dict(state_dict)
 
     def remove_hooks(self) -> None:
         """Detach the optimizer from the model (no more statistics are captured)."""
         self._capture.remove()
+        if self._sync is not None:
+            self._sync.remove()
 
 
 def _keep_dtypes(saved_value: Any, loaded: Any, device: torch.device) -> Any:
