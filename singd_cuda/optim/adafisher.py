@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from ..curvature.layers import Layer, split_matrix
+from ..distributed.synchronizer import DEFAULT_BUCKET_CAP_MB
 from .base import KroneckerOptimizer, LayerRule, checked_fallback, scheduled, validate_common
 from .epilogue import adam_style_update_
 
@@ -51,6 +52,9 @@ class AdaFisherRule(LayerRule):
         else:
             pending["in"], pending["out"] = h_new, s_new
 
+    def factor_structures(self, group: dict) -> tuple[str, str]:
+        return (ADAFISHER, ADAFISHER)
+
     def update_factors(self, layer, group, state, pending, step: int) -> None:
         decay = group["ema_decay"]
         for key, new in (("h", pending["in"]), ("s", pending["out"])):
@@ -64,6 +68,8 @@ class AdaFisherRule(LayerRule):
         for param, state, direction, denominator in zip(
             layer.params, states, split_matrix(layer, G), split_matrix(layer, fisher), strict=True
         ):
+            if param.grad is None:
+                continue  # e.g. a bias frozen after construction: leave it alone
             adam_style_update_(
                 param,
                 direction,
@@ -102,6 +108,9 @@ class AdaFisher(KroneckerOptimizer):
         stochastic_rounding: bool = False,
         grad_scaler: torch.amp.GradScaler | None = None,
         nonfinite: str = "warn",
+        process_group=None,
+        distribute_factors: bool = False,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         **fallback: Any,
     ) -> None:
         defaults = dict(
@@ -118,7 +127,16 @@ class AdaFisher(KroneckerOptimizer):
         )
         defaults.update(checked_fallback(fallback))
         self._rule = AdaFisherRule()
-        super().__init__(model, params, defaults, grad_scaler=grad_scaler, nonfinite=nonfinite)
+        super().__init__(
+            model,
+            params,
+            defaults,
+            grad_scaler=grad_scaler,
+            nonfinite=nonfinite,
+            process_group=process_group,
+            distribute_factors=distribute_factors,
+            bucket_cap_mb=bucket_cap_mb,
+        )
 
     def validate_group(self, group: dict) -> None:
         super().validate_group(group)

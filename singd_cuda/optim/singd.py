@@ -15,6 +15,8 @@ from torch import Tensor, nn
 
 from .. import structures as structure_registry
 from ..curvature.layers import Layer, split_matrix
+from ..distributed.statistics import congruence, shared_statistic
+from ..distributed.synchronizer import DEFAULT_BUCKET_CAP_MB
 from ..structures.base import StructuredMatrix, accumulation_dtype
 from .adafisher import ADAFISHER, AdaFisherRule
 from .base import (
@@ -85,6 +87,25 @@ class SingdRule(LayerRule):
         else:
             pending["in"], pending["out"] = H_K, H_C
 
+    def factor_structures(self, group: dict) -> tuple[str, str]:
+        return group["structures"]
+
+    def accumulate_shared(self, layer, group, pending, a: Tensor, g: Tensor) -> None:
+        """K-free statistics Π̂(aᵀa), Π̂(gᵀg) (dense Gram for structures that need it);
+        H_K = Π̂(Kᵀ aᵀa K) is linear in aᵀa, so the owner applies K after averaging."""
+        S_K, S_C = self._classes(group)
+        M_K, M_C = shared_statistic(S_K, a), shared_statistic(S_C, g)
+        if "in" in pending:
+            pending["in"].add_(M_K)
+            pending["out"].add_(M_C)
+        else:
+            pending["in"], pending["out"] = M_K, M_C
+
+    def finish_shared(self, layer, group, state, pending) -> None:
+        f = self._factors(layer, group, state)
+        pending["in"] = congruence(f["K"], pending["in"])
+        pending["out"] = congruence(f["C"], pending["out"])
+
     def update_factors(self, layer, group, state, pending, step: int) -> None:
         f = self._factors(layer, group, state)
         K, C, H_K, H_C = f["K"], f["C"], pending["in"], pending["out"]
@@ -122,6 +143,8 @@ class SingdRule(LayerRule):
         for param, state, direction in zip(
             layer.params, states, split_matrix(layer, natural), strict=True
         ):
+            if param.grad is None:
+                continue  # e.g. a bias frozen after construction: leave it alone
             sgd_momentum_update_(
                 param,
                 direction,
@@ -165,8 +188,15 @@ class SINGD(KroneckerOptimizer):
         stochastic_rounding: bool = False,
         ema_decay: float = 0.8,
         decoupled_weight_decay: bool = False,
+        norm_fisher: bool = False,
+        norm_damping: float = 1e-3,
+        weight_rescale: bool = False,
+        momentum_lr_ratio: float | None = None,
         grad_scaler: torch.amp.GradScaler | None = None,
         nonfinite: str = "warn",
+        process_group=None,
+        distribute_factors: bool = False,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         **fallback: Any,
     ) -> None:
         defaults = dict(
@@ -185,10 +215,23 @@ class SINGD(KroneckerOptimizer):
             stochastic_rounding=stochastic_rounding,
             ema_decay=ema_decay,
             decoupled_weight_decay=decoupled_weight_decay,
+            norm_fisher=norm_fisher,
+            norm_damping=norm_damping,
+            weight_rescale=weight_rescale,
+            momentum_lr_ratio=momentum_lr_ratio,
         )
         defaults.update(checked_fallback(fallback))
         self._rules = {"singd": SingdRule(), ADAFISHER: AdaFisherRule()}
-        super().__init__(model, params, defaults, grad_scaler=grad_scaler, nonfinite=nonfinite)
+        super().__init__(
+            model,
+            params,
+            defaults,
+            grad_scaler=grad_scaler,
+            nonfinite=nonfinite,
+            process_group=process_group,
+            distribute_factors=distribute_factors,
+            bucket_cap_mb=bucket_cap_mb,
+        )
 
     def validate_group(self, group: dict) -> None:
         super().validate_group(group)
