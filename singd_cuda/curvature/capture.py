@@ -8,11 +8,16 @@ so eval / no_grad forwards between steps change nothing. With reentrant
 activation checkpointing the first forward runs without grad and only the
 recomputation is captured; with non-reentrant checkpointing the recomputed
 output is never backpropagated, so its hook never fires: no double counting.
+
+Micro-batches (gradient accumulation) are counted the same way: a model
+forward counts once the backward reaches its output, so a recomputed forward
+(checkpointing the whole model) or a forward that is never backpropagated
+does not count.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 
 import torch
@@ -24,7 +29,7 @@ StatisticsCallback = Callable[[Layer, Tensor, Tensor], None]
 
 
 class CurvatureCapture:
-    """Installs the hooks; ``forward_passes`` counts the model's training forwards."""
+    """Installs the hooks; ``micro_batches`` counts the model's backpropagated forwards."""
 
     def __init__(
         self,
@@ -35,16 +40,28 @@ class CurvatureCapture:
     ) -> None:
         self._wants_statistics = wants_statistics
         self._on_statistics = on_statistics
-        self.forward_passes = 0
+        self.micro_batches = 0
         self._handles = [
             layer.module.register_forward_hook(partial(self._forward_hook, layer))
             for layer in layers
         ]
-        self._handles.append(model.register_forward_pre_hook(self._count_forward))
+        self._handles.append(model.register_forward_hook(self._count_on_backward))
 
-    def _count_forward(self, module: nn.Module, inputs) -> None:
-        if torch.is_grad_enabled() and module.training:
-            self.forward_passes += 1
+    def _count_on_backward(self, module: nn.Module, inputs, output) -> None:
+        """Count this forward as a micro-batch once a gradient reaches its output."""
+        if not (torch.is_grad_enabled() and module.training):
+            return
+        outputs = [t for t in _tensors(output) if t.requires_grad]
+        reached = False
+
+        def on_grad(grad: Tensor) -> None:
+            nonlocal reached
+            if not reached:  # once per forward, however many outputs it has
+                reached = True
+                self.micro_batches += 1
+
+        for tensor in outputs:
+            tensor.register_hook(on_grad)
 
     def _forward_hook(self, layer: Layer, module: nn.Module, inputs, output) -> None:
         if not (torch.is_grad_enabled() and module.training and isinstance(output, Tensor)):
@@ -60,11 +77,22 @@ class CurvatureCapture:
         output.register_hook(on_grad)
 
     def reset(self) -> None:
-        """Forget the counted forwards (called after each optimizer step)."""
-        self.forward_passes = 0
+        """Forget the counted micro-batches (called after each optimizer step)."""
+        self.micro_batches = 0
 
     def remove(self) -> None:
         """Remove every hook."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def _tensors(output) -> list[Tensor]:
+    """The tensors in a module output (a tensor, or tuples, lists and dicts of them)."""
+    if isinstance(output, Tensor):
+        return [output]
+    if isinstance(output, Mapping):
+        output = list(output.values())
+    if isinstance(output, list | tuple):
+        return [t for item in output for t in _tensors(item)]
+    return []

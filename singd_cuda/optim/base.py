@@ -406,7 +406,7 @@ class KroneckerOptimizer(Optimizer):
     def _normalise_statistics(self, stats_scale: Tensor | None) -> None:
         """Sum over k micro-batches → the statistics of one batch of k times the size;
         remove the loss scale from the output-gradient side."""
-        micro_batches = max(1, self._capture.forward_passes)
+        micro_batches = max(1, self._capture.micro_batches)
         out_factor = float(micro_batches)
         if stats_scale is not None:
             out_factor = out_factor / float(stats_scale) ** 2
