@@ -1,0 +1,89 @@
+"""The built-in AdamW fallback trains everything that is not a Linear/Conv2d
+layer (embeddings, norms, free parameters) exactly as torch.optim.AdamW."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from singd_cuda import SINGD, AdaFisher
+
+from .conftest import clone_model, loss_fn
+
+VOCAB, WIDTH, CLASSES = 20, 8, 4
+FALLBACK = dict(lr=0.01, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)
+
+
+class TokenModel(nn.Module):
+    """Embedding → LayerNorm → mean over tokens × a free scale → Linear head."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.norm = nn.LayerNorm(WIDTH)
+        self.scale = nn.Parameter(torch.ones(1))
+        self.head = nn.Linear(WIDTH, CLASSES)
+
+    def forward(self, ids):
+        return self.head(self.norm(self.embed(ids)).mean(1) * self.scale)
+
+
+def batches(steps: int = 8):
+    gen = torch.Generator().manual_seed(4)
+    return [
+        (
+            torch.randint(0, VOCAB, (16, 5), generator=gen),
+            torch.randint(0, CLASSES, (16,), generator=gen),
+        )
+        for _ in range(steps)
+    ]
+
+
+@pytest.mark.parametrize("cls", [SINGD, AdaFisher])
+def test_fallback_equals_torch_adamw(cls):
+    model = TokenModel().double()
+    reference = clone_model(model)
+    fallback = {f"fallback_{key}": value for key, value in FALLBACK.items()}
+    opt = cls(model, lr=0.05, T=1, **fallback)
+    assert [layer.module for layer in opt.layers] == [model.head]
+    head_opt = cls(reference, reference.head.parameters(), lr=0.05, T=1)
+    others = [p for name, p in reference.named_parameters() if not name.startswith("head")]
+    adamw = torch.optim.AdamW(others, **FALLBACK)
+    for ids, y in batches():
+        opt.zero_grad()
+        loss_fn(model(ids), y).backward()
+        opt.step()
+        head_opt.zero_grad()
+        adamw.zero_grad()
+        loss_fn(reference(ids), y).backward()
+        head_opt.step()
+        adamw.step()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert not torch.equal(p, TokenModel().double().get_parameter(name)), name  # it trained
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14, msg=name)
+
+
+def test_fallback_lr_defaults_to_the_group_lr():
+    """fallback_lr=None: the fallback uses the group's lr (and follows its scheduler)."""
+    model = TokenModel().double()
+    reference = clone_model(model)
+    opt = SINGD(model, lr=0.01, T=1)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    adamw = torch.optim.AdamW([reference.embed.weight], lr=0.01, weight_decay=0.0)
+    adamw_scheduler = torch.optim.lr_scheduler.StepLR(adamw, step_size=1, gamma=0.5)
+    for ids, y in batches(4):
+        for o, m in ((opt, model), (adamw, reference)):
+            o.zero_grad()
+            loss_fn(m(ids), y).backward()
+        # the reference's head/norm are not trained: give them the model's values
+        opt.step()
+        adamw.step()
+        with torch.no_grad():
+            for name, p in reference.named_parameters():
+                if name != "embed.weight":
+                    p.copy_(model.get_parameter(name))
+        scheduler.step()
+        adamw_scheduler.step()
+    torch.testing.assert_close(model.embed.weight, reference.embed.weight, rtol=1e-12, atol=1e-14)
