@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from ..curvature.layers import Layer, split_matrix
+from ..distributed.synchronizer import DEFAULT_BUCKET_CAP_MB
 from ..structures.base import accumulation_dtype
 from .base import (
     KroneckerOptimizer,
@@ -126,8 +127,15 @@ class KFAC(KroneckerOptimizer):
         loss_average: str | None = "batch",
         factor_dtype: torch.dtype | None = None,
         stochastic_rounding: bool = False,
+        norm_fisher: bool = False,
+        norm_damping: float = 1e-3,
+        weight_rescale: bool = False,
+        momentum_lr_ratio: float | None = None,
         grad_scaler: torch.amp.GradScaler | None = None,
         nonfinite: str = "warn",
+        process_group=None,
+        distribute_factors: bool = False,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         **fallback: Any,
     ) -> None:
         defaults = dict(
@@ -143,11 +151,24 @@ class KFAC(KroneckerOptimizer):
             loss_average=loss_average,
             factor_dtype=factor_dtype,
             stochastic_rounding=stochastic_rounding,
+            norm_fisher=norm_fisher,
+            norm_damping=norm_damping,
+            weight_rescale=weight_rescale,
+            momentum_lr_ratio=momentum_lr_ratio,
         )
         defaults.update(checked_fallback(fallback))
         self._rule = KfacRule()
         self._ggn_column: int | None = None  # the output column a GGN capture is on
-        super().__init__(model, params, defaults, grad_scaler=grad_scaler, nonfinite=nonfinite)
+        super().__init__(
+            model,
+            params,
+            defaults,
+            grad_scaler=grad_scaler,
+            nonfinite=nonfinite,
+            process_group=process_group,
+            distribute_factors=distribute_factors,
+            bucket_cap_mb=bucket_cap_mb,
+        )
 
     def validate_group(self, group: dict) -> None:
         super().validate_group(group)

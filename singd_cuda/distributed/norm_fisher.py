@@ -1,0 +1,116 @@
+"""Diagonal empirical Fisher for the affine parameters of normalisation layers.
+
+After Osawa et al. (arXiv 1811.12019): BatchNorm, LayerNorm and GroupNorm weights and
+biases are preconditioned by the diagonal (per channel, or per element for LayerNorm)
+of the empirical Fisher, F = (1/L) Σ_terms ψ², where ψ is one loss term's gradient of
+the parameter, with a damping of its own: Δ = grad / (F + λ_norm). This replaces the
+first-order fallback for those parameters (``norm_fisher=True``).
+
+The per-term gradients come from the captured layer input (normalised again here,
+without the affine part) and the output gradient: ψ_γ = Σ g·x̂ and ψ_β = Σ g over the
+positions of one term (a sample for ``loss_average="batch"``, a position for
+"batch+sequence"). As for the Kronecker statistics, g carries √L so that the sum of
+squares over terms is an average, and micro-batches and the loss scale are removed
+as for the output-gradient side.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ..curvature.layers import Layer
+
+NORM_LAYERS = (_BatchNorm, nn.LayerNorm, nn.GroupNorm)
+
+
+def find_norm_layers(model: nn.Module, selected) -> list[Layer]:
+    """The normalisation layers with a weight for which ``selected(param)`` holds."""
+    layers = []
+    for name, module in model.named_modules():
+        if not isinstance(module, NORM_LAYERS):
+            continue
+        weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+        if weight is None or not selected(weight):
+            continue
+        bias = bias if bias is not None and selected(bias) else None
+        layers.append(Layer(name or type(module).__name__, module, weight, bias))
+    return layers
+
+
+def _normalised(module: nn.Module, x: Tensor) -> Tensor:
+    """x̂: the layer's normalisation of ``x`` without the affine transform."""
+    if isinstance(module, nn.LayerNorm):
+        return F.layer_norm(x, module.normalized_shape, None, None, module.eps)
+    if isinstance(module, nn.GroupNorm):
+        return F.group_norm(x, module.num_groups, None, None, module.eps)
+    dims = [0, *range(2, x.dim())]  # BatchNorm in training: statistics of this batch
+    mean = x.mean(dims, keepdim=True)
+    var = x.var(dims, unbiased=False, keepdim=True)
+    return (x - mean) * torch.rsqrt(var + module.eps)
+
+
+def _per_term(module: nn.Module, values: Tensor, loss_average: str | None) -> Tensor:
+    """Sum ``values`` (shaped like the layer output) over the positions of each loss
+    term: (terms, *parameter shape)."""
+    if isinstance(module, nn.LayerNorm):
+        shape = tuple(module.normalized_shape)
+        lead = values.shape[: values.dim() - len(shape)]
+        if loss_average == "batch+sequence" or len(lead) <= 1:
+            return values.reshape(-1, *shape)
+        return values.reshape(lead[0], -1, *shape).sum(1)
+    channels = values.shape[1]
+    if loss_average == "batch+sequence":
+        return values.movedim(1, -1).reshape(-1, channels)
+    return values.reshape(values.shape[0], channels, -1).sum(-1)
+
+
+def _num_terms(module: nn.Module, grad: Tensor, loss_average: str | None) -> int:
+    if isinstance(module, nn.LayerNorm):
+        lead = grad.shape[: grad.dim() - len(module.normalized_shape)]
+        if loss_average == "batch+sequence":
+            return lead.numel()
+        return lead[0] if len(lead) else 1
+    if loss_average == "batch+sequence":
+        return grad.numel() // grad.shape[1]
+    return grad.shape[0]
+
+
+def norm_statistic(
+    layer: Layer, layer_input: Tensor, grad_output: Tensor, loss_average, dtype
+) -> Tensor:
+    """The diagonal Fisher of this backward pass: [F_weight, F_bias] flattened, in ``dtype``."""
+    module = layer.module
+    x = layer_input.detach().to(dtype)
+    g = grad_output.detach().to(dtype)
+    if loss_average is not None:
+        g = g * math.sqrt(_num_terms(module, g, loss_average))
+    parts = [_per_term(module, g * _normalised(module, x), loss_average).square().sum(0)]
+    if layer.bias is not None:
+        parts.append(_per_term(module, g, loss_average).square().sum(0))
+    return torch.cat([p.reshape(-1) for p in parts])
+
+
+def empty_norm_statistic(layer: Layer, dtype, device) -> Tensor:
+    return torch.zeros(sum(p.numel() for p in layer.params), dtype=dtype, device=device)
+
+
+def store_fisher(layer: Layer, states: list[dict], statistic: Tensor) -> None:
+    """Keep the new diagonal Fisher of each parameter in its state (``"fisher_diag"``)."""
+    offset = 0
+    for param, state in zip(layer.params, states, strict=True):
+        values = statistic[offset : offset + param.numel()].reshape(param.shape)
+        state["fisher_diag"] = values.to(torch.promote_types(param.dtype, torch.float32)).clone()
+        offset += param.numel()
+
+
+def preconditioned(grad: Tensor, state: dict, damping: float) -> Tensor:
+    """grad / (F + λ_norm); the plain gradient until a first Fisher is known."""
+    fisher = state.get("fisher_diag")
+    if fisher is None:
+        return grad
+    return grad / (fisher.to(grad.dtype) + damping)

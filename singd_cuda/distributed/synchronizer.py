@@ -1,0 +1,219 @@
+"""What an optimizer step does under torch.distributed.
+
+Per step, at most two collectives (more only when a bucket cap splits them):
+
+1. one bucketed all-reduce (sum) of a packed buffer holding, in this order,
+   a few flags (found_inf; which ranks hold each layer's statistics and each
+   parameter's gradient), the gradients (plain models only: a DDP model has averaged
+   them in the backward already) and, on update steps, the curvature statistics of
+   every layer, each rank's normalised (micro-batch and loss-scale free) means over
+   its shard. Sums are divided by the number of ranks that contributed, so equal
+   shards give exactly the full-batch statistics. No step that needs no statistics
+   and no gradients (DDP, between update steps) communicates at all.
+2. with ``distribute_factors=True``, one bucketed all-gather of the updated
+   parameters of each rank's own layers (see :meth:`Synchronizer.share_parameters`).
+
+Every rank runs the same code on the same reduced values, so decisions (skip a step,
+which statistics exist) agree everywhere without further messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..curvature.layers import Layer
+from ..structures.base import accumulation_dtype
+from . import comm
+from .ownership import assign_owners
+from .packing import (
+    Segment,
+    all_gather_tensors,
+    all_reduce_segments,
+    pack_tensor,
+    packed_numel,
+    statistic_tensors,
+    unpack_tensor_,
+)
+
+DEFAULT_BUCKET_CAP_MB = 64.0
+
+
+class Synchronizer:
+    """Collectives, ownership and full checkpoints for one optimizer (see module doc)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layers: Sequence[Layer],
+        costs: Sequence[float],
+        *,
+        process_group=None,
+        distribute_factors: bool = False,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        ddp_wrapped: bool = False,
+    ) -> None:
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
+        self.group = process_group
+        self.rank, self.world_size = comm.rank_and_world(process_group)
+        self.distribute_factors = distribute_factors
+        self.cap_bytes = int(bucket_cap_mb * 2**20)
+        self.grads_averaged = ddp_wrapped  # set as well when a DDP forward is seen
+        self._hook = model.register_forward_pre_hook(self._note_ddp)
+        owners = assign_owners(costs, self.world_size) if distribute_factors else None
+        self.owner: dict[Layer, int] = (
+            dict(zip(layers, owners, strict=True)) if owners else dict.fromkeys(layers, self.rank)
+        )
+        self._layers = list(layers)
+
+    def _note_ddp(self, module: nn.Module, inputs) -> None:
+        if comm.inside_ddp_forward(module):
+            self.grads_averaged = True
+
+    def owns(self, layer: Layer) -> bool:
+        """Whether this rank updates ``layer`` (always, unless distribute_factors)."""
+        return self.owner[layer] == self.rank
+
+    def remove(self) -> None:
+        self._hook.remove()
+
+    # ------------------------------------------------------------ collective 1
+    def synchronise(
+        self,
+        statistics: dict[Layer, dict],
+        stat_layers: Sequence[Layer],
+        empty_statistics,
+        params: Sequence[Tensor],
+        grad_scale: Tensor | None,
+        found_inf: Tensor | None,
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """Average gradients (unless DDP did) and the statistics of ``stat_layers``.
+
+        ``statistics`` maps layers to their pending statistics and is updated in place:
+        a layer no rank captured is dropped, one only others captured is added.
+        ``empty_statistics(layer)`` builds a zero statistic of the right layout.
+        Returns (grad_scale, found_inf) as they hold afterwards: the gradients averaged
+        here are unscaled, so their grad_scale becomes None; found_inf is the logical
+        or over the ranks.
+        """
+        grads = [] if self.grads_averaged else [p for p in params if p.requires_grad]
+        if not grads and not stat_layers:
+            return grad_scale, found_inf
+        device = (grads[0] if grads else stat_layers[0].weight).device
+        dtypes = [p.dtype for p in grads] + [layer.weight.dtype for layer in stat_layers]
+        wire = accumulation_dtype(*dtypes)
+        flags = torch.zeros(1 + len(stat_layers) + len(grads), dtype=wire, device=device)
+        if found_inf is not None:
+            flags[0] = found_inf.to(device=device, dtype=wire).reshape(())
+        local = {}
+        for i, layer in enumerate(stat_layers):
+            present = layer in statistics
+            flags[1 + i] = float(present)
+            local[layer] = statistics[layer] if present else empty_statistics(layer)
+        first_grad = 1 + len(stat_layers)
+        for j, p in enumerate(grads):
+            flags[first_grad + j] = float(p.grad is not None)
+
+        def unpack_flags(flat: Tensor) -> None:
+            flags.copy_(flat)
+
+        segments = [Segment(flags.numel(), lambda dtype: flags.to(dtype), unpack_flags)]
+        scale = 1.0 / self.world_size
+        if grad_scale is not None:
+            scale /= float(grad_scale)
+        for j, p in enumerate(grads):
+            segments.append(self._grad_segment(p, flags, first_grad + j, scale))
+        for i, layer in enumerate(stat_layers):
+            for key in sorted(local[layer]):
+                for tensor, symmetric in statistic_tensors(local[layer][key]):
+                    segments.append(self._stat_segment(tensor, symmetric, flags, 1 + i))
+        all_reduce_segments(
+            segments, dtype=wire, device=device, cap_bytes=self.cap_bytes, group=self.group
+        )
+        for i, layer in enumerate(stat_layers):
+            if flags[1 + i] > 0:
+                statistics[layer] = local[layer]
+            else:
+                statistics.pop(layer, None)
+        if bool(flags[0] > 0):
+            found_inf = torch.ones((), dtype=torch.float32, device=device)
+        elif found_inf is not None:
+            found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        return (None if grads else grad_scale), found_inf
+
+    @staticmethod
+    def _grad_segment(p: Tensor, flags: Tensor, flag: int, scale: float) -> Segment:
+        def pack(dtype: torch.dtype) -> Tensor:
+            if p.grad is None:
+                return torch.zeros(p.numel(), dtype=dtype, device=p.device)
+            return p.grad.detach().reshape(-1).to(dtype) * scale
+
+        def unpack(flat: Tensor) -> None:
+            if flags[flag] > 0:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                p.grad.copy_(flat.view(p.shape))
+
+        return Segment(p.numel(), pack, unpack)
+
+    @staticmethod
+    def _stat_segment(tensor: Tensor, symmetric: bool, flags: Tensor, flag: int) -> Segment:
+        def unpack(flat: Tensor) -> None:
+            count = float(flags[flag])
+            if count > 0:
+                unpack_tensor_(tensor, symmetric, flat / count)
+
+        numel = packed_numel(tensor, symmetric)
+        return Segment(numel, lambda dtype: pack_tensor(tensor, symmetric, dtype), unpack)
+
+    # ------------------------------------------------------------ collective 2
+    def share_parameters(self) -> int:
+        """Send each rank's updated layer parameters to the other ranks (an all-gather).
+
+        The owner sends the parameters it has just updated, not the preconditioned
+        gradient or the factors: the same bytes as the gradient, so the momentum buffers
+        can stay with the owner too, and bitwise-equal replicas on every rank; the
+        factors would be larger (d_K² + d_C² for dense) and would have to be replicated.
+        """
+        if not self.distribute_factors:
+            return 0
+        by_rank: list[list[Tensor]] = [[] for _ in range(self.world_size)]
+        for layer in self._layers:
+            by_rank[self.owner[layer]].extend(p.data for p in layer.params)
+        device = self._layers[0].weight.device
+        return all_gather_tensors(
+            by_rank, self.rank, device=device, cap_bytes=self.cap_bytes, group=self.group
+        )
+
+    # ------------------------------------------------------------ checkpoints
+    def owned_param_ids(self) -> set[int]:
+        return {id(p) for layer in self._layers if self.owns(layer) for p in layer.params}
+
+    def foreign_params(self) -> list[Tensor]:
+        """Parameters of layers other ranks own (no state here under distribute_factors)."""
+        if not self.distribute_factors:
+            return []
+        return [p for layer in self._layers if not self.owns(layer) for p in layer.params]
+
+    def full_state_dict(self, local: dict[str, Any], index_of: dict[int, int]) -> dict[str, Any]:
+        """Merge every rank's own layer states into ``local`` (this rank's state_dict)."""
+        if not self.distribute_factors:
+            return local
+        owned = {index_of[pid] for pid in self.owned_param_ids()}
+        mine = {i: _to_cpu(s) for i, s in local["state"].items() if i in owned}
+        state = dict(local["state"])
+        for part in comm.all_gather_objects(mine, self.group):
+            state.update(part)
+        return {"state": dict(sorted(state.items())), "param_groups": local["param_groups"]}
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    return value
