@@ -199,6 +199,13 @@ class KroneckerOptimizer(Optimizer):
                 raise ValueError(f"{key} must be a number >= 0, got {value!r}")
         if group["fallback_lr"] is not None and group["fallback_lr"] < 0:
             raise ValueError(f"fallback_lr must be >= 0 or None, got {group['fallback_lr']!r}")
+        betas = group["fallback_betas"]
+        if not (
+            isinstance(betas, tuple | list)
+            and len(betas) == 2
+            and all(isinstance(b, int | float) and 0.0 <= b < 1.0 for b in betas)
+        ):
+            raise ValueError(f"fallback_betas must be a pair of numbers in [0, 1), got {betas!r}")
         if group["loss_average"] not in LOSS_AVERAGES:
             raise ValueError(
                 f"loss_average must be one of {LOSS_AVERAGES}, got {group['loss_average']!r}"
@@ -573,10 +580,15 @@ def check_positive(group: dict, *keys: str, allow_zero: bool = True) -> None:
 
 def checked_fallback(fallback: dict[str, Any]) -> dict[str, Any]:
     """The ``fallback_*`` keyword arguments; TypeError for any other unknown keyword."""
-    common = KroneckerOptimizer.common_defaults
-    unknown = set(fallback) - {k for k in common if k.startswith("fallback_")}
+    valid = sorted(k for k in KroneckerOptimizer.common_defaults if k.startswith("fallback_"))
+    unknown = sorted(set(fallback) - set(valid))
     if unknown:
-        raise TypeError(f"unexpected keyword argument(s) {sorted(unknown)}")
+        hints = [f"'fallback_{k}' for '{k}'" for k in unknown if f"fallback_{k}" in valid]
+        hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
+        raise TypeError(
+            f"unexpected keyword argument(s) {unknown}{hint}; besides the documented "
+            f"arguments only the AdamW fallback's settings are accepted: {', '.join(valid)}"
+        )
     return fallback
 
 
