@@ -120,16 +120,19 @@ class SingdRule(LayerRule):
             scale_KtK, scale_CtC = CtC.average_trace(), KtK.average_trace()
         alpha1 = 0.0 if group["kfac_like"] else group["alpha1"]
         lr_cov = scheduled(group["lr_cov"], step)
+        normalize = group["normalize_lr_cov"]
         for side, H, scale_H, inner, scale_inner in (
             ("K", H_K.to(dtype), scale_H_K, KtK, scale_KtK),
             ("C", H_C.to(dtype), scale_H_C, CtC, scale_CtC),
         ):
-            # m̂ = ½[scale_H·H + λ·scale_inner·Π̂(FᵀF) − I]
+            # m̂ = ½[scale_H·H + λ·scale_inner·Π̂(FᵀF) − I]; with normalize_lr_cov the
+            # reference scales m̂ by (1 − α₁) too, so that m is an average and its
+            # largest entry (which divides β₁) does not grow with α₁
             m_hat = H.mul_(scale_H).add_(inner, alpha=damping * float(scale_inner))
-            m_hat.add_identity_(-1.0).mul_(0.5)
+            m_hat.add_identity_(-1.0).mul_(0.5 * (1.0 - alpha1 if normalize else 1.0))
             m = f[f"m_{side}"].mul_(alpha1).add_(m_hat)
             beta1 = lr_cov
-            if group["normalize_lr_cov"]:
+            if normalize:
                 beta1 = beta1 / max(1.0, float(m.abs_max()))
             factor = f[side]
             factor.add_(factor @ m, alpha=-beta1)
