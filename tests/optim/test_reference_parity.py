@@ -110,6 +110,23 @@ def test_parity_ikfac_dense():
         torch.testing.assert_close(ours, theirs, rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.filterwarnings("ignore:Calling naive implementation")
+@pytest.mark.parametrize("kfac_like", [False, True], ids=["singd", "ikfac"])
+@pytest.mark.parametrize("structure", ["dense", "hierarchical:15,15", "tril_toeplitz"])
+def test_parity_normalize_lr_cov(structure, kfac_like):
+    """normalize_lr_cov: β₁ / max(1, max|m|), and m̂ scaled by (1 − α₁) as the reference does."""
+    model = parity_mlp()
+    ref_model = copy.deepcopy(model)
+    batches = parity_batches("mlp")
+    hp = dict(HYPER, lr_cov=0.2, alpha1=0.0 if kfac_like else 0.5)
+    name = STRUCTURES[structure]
+    common = dict(T=1, normalize_lr_cov=True, kfac_like=kfac_like, **hp)
+    train(ref_model, Reference(ref_model, structures=(name, name), **common), batches)
+    train(model, SINGD(model, structures=structure, **common), batches)
+    for ours, theirs in zip(model.parameters(), ref_model.parameters(), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=RTOL, atol=ATOL)
+
+
 # ------------------------------------------------ structures that reduce to dense
 @pytest.mark.parametrize("structure", ["block_diagonal:300", "hierarchical:300,4", "low_rank:300"])
 @pytest.mark.parametrize("kind", ["mlp", "cnn"])
