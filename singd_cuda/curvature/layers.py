@@ -44,6 +44,13 @@ class Layer:
         return [self.weight] if self.bias is None else [self.weight, self.bias]
 
 
+def bypassed_modules(model: nn.Module) -> set[int]:
+    """ids of supported modules whose own forward never runs, so no statistics reach
+    them: ``nn.MultiheadAttention`` uses ``out_proj.weight`` directly. Their
+    parameters train with the fallback instead."""
+    return {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
+
+
 def _conv_patches(module: nn.Conv2d, x: Tensor) -> Tensor:
     """Unfolded patches (B * O1 * O2, C_in/groups * k1 * k2), averaged over groups."""
     padding = module.padding

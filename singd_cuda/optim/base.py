@@ -29,6 +29,7 @@ from ..curvature.layers import (
     LOSS_AVERAGES,
     SUPPORTED_LAYERS,
     Layer,
+    bypassed_modules,
     grad_output_matrix,
     gradient_matrix,
     input_matrix,
@@ -248,9 +249,12 @@ class KroneckerOptimizer(Optimizer):
 
     def _find_layers(self, model: nn.Module) -> list[Layer]:
         trained = {id(p) for g in self.param_groups for p in g["params"]}
+        bypassed = bypassed_modules(model)
         layers = []
         for name, module in model.named_modules():
             if not isinstance(module, SUPPORTED_LAYERS) or id(module.weight) not in trained:
+                continue
+            if id(module) in bypassed:  # its forward never runs: the fallback trains it
                 continue
             bias = module.bias if module.bias is not None and id(module.bias) in trained else None
             layer = Layer(name or type(module).__name__, module, module.weight, bias)
