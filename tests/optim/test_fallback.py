@@ -13,6 +13,9 @@ from .conftest import clone_model, loss_fn
 
 VOCAB, WIDTH, CLASSES = 20, 8, 4
 FALLBACK = dict(lr=0.01, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)
+# float64; AdamW here computes sqrt(v / (1 - β₂ᵗ)) where torch divides sqrt(v) by
+# sqrt(1 - β₂ᵗ): last-bit differences, visible in relative terms on entries near zero
+TOL = dict(rtol=1e-10, atol=1e-10)
 
 
 class TokenModel(nn.Module):
@@ -62,7 +65,7 @@ def test_fallback_equals_torch_adamw(cls):
         adamw.step()
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         assert not torch.equal(p, TokenModel().double().get_parameter(name)), name  # it trained
-        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14, msg=name)
+        torch.testing.assert_close(p, q, **TOL, msg=name)
 
 
 def test_fallback_lr_defaults_to_the_group_lr():
@@ -86,4 +89,40 @@ def test_fallback_lr_defaults_to_the_group_lr():
                     p.copy_(model.get_parameter(name))
         scheduler.step()
         adamw_scheduler.step()
-    torch.testing.assert_close(model.embed.weight, reference.embed.weight, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(model.embed.weight, reference.embed.weight, **TOL)
+
+
+class Attention(nn.Module):
+    """nn.MultiheadAttention never calls its out_proj Linear's forward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.attention = nn.MultiheadAttention(WIDTH, 2, batch_first=True)
+        self.head = nn.Linear(WIDTH, CLASSES)
+
+    def forward(self, x):
+        return self.head(self.attention(x, x, x, need_weights=False)[0].mean(1))
+
+
+def test_attention_out_projection_trains_with_the_fallback():
+    """out_proj gets no statistics, so it is not preconditioned (K = C = I would be
+    plain SGD at SINGD's lr): it trains with AdamW like the rest of the attention."""
+    model = Attention().double()
+    reference = clone_model(model)
+    opt = SINGD(model, lr=0.05, T=1, fallback_lr=0.01)
+    assert [layer.module for layer in opt.layers] == [model.head]
+    head_opt = SINGD(reference, reference.head.parameters(), lr=0.05, T=1)
+    adamw = torch.optim.AdamW(reference.attention.parameters(), lr=0.01, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(6)
+    for _ in range(5):
+        x = torch.randn(8, 5, WIDTH, generator=gen, dtype=torch.float64)
+        y = torch.randint(0, CLASSES, (8,), generator=gen)
+        for o in (opt, head_opt, adamw):
+            o.zero_grad()
+        loss_fn(model(x), y).backward()
+        loss_fn(reference(x), y).backward()
+        for o in (opt, head_opt, adamw):
+            o.step()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, **TOL)
