@@ -106,54 +106,54 @@ class Synchronizer:
         device = (grads[0] if grads else stat_layers[0].weight).device
         dtypes = [p.dtype for p in grads] + [layer.weight.dtype for layer in stat_layers]
         wire = accumulation_dtype(*dtypes)
-        flags = torch.zeros(1 + len(stat_layers) + len(grads), dtype=wire, device=device)
-        if found_inf is not None:
-            flags[0] = found_inf.to(device=device, dtype=wire).reshape(())
+        # flags: [found_inf, has statistics (per layer), has a gradient (per parameter)]
+        values = [0.0 if found_inf is None else float(found_inf)]
         local = {}
-        for i, layer in enumerate(stat_layers):
+        for layer in stat_layers:
             present = layer in statistics
-            flags[1 + i] = float(present)
+            values.append(float(present))
             local[layer] = statistics[layer] if present else empty_statistics(layer)
-        first_grad = 1 + len(stat_layers)
-        for j, p in enumerate(grads):
-            flags[first_grad + j] = float(p.grad is not None)
+        first_grad = len(values)
+        values += [float(p.grad is not None) for p in grads]
+        flags = torch.tensor(values, dtype=wire, device=device)
+        counts: list[float] = []  # the summed flags, on the host (one device sync)
 
         def unpack_flags(flat: Tensor) -> None:
-            flags.copy_(flat)
+            counts[:] = flat.tolist()
 
-        segments = [Segment(flags.numel(), lambda dtype: flags.to(dtype), unpack_flags)]
+        segments = [Segment(flags.numel(), flags.to, unpack_flags)]
         scale = 1.0 / self.world_size
         if grad_scale is not None:
             scale /= float(grad_scale)
         for j, p in enumerate(grads):
-            segments.append(self._grad_segment(p, flags, first_grad + j, scale))
+            segments.append(self._grad_segment(p, counts, first_grad + j, scale))
         for i, layer in enumerate(stat_layers):
             for key in sorted(local[layer]):
                 for tensor, symmetric in statistic_tensors(local[layer][key]):
-                    segments.append(self._stat_segment(tensor, symmetric, flags, 1 + i))
+                    segments.append(self._stat_segment(tensor, symmetric, counts, 1 + i))
         all_reduce_segments(
             segments, dtype=wire, device=device, cap_bytes=self.cap_bytes, group=self.group
         )
         for i, layer in enumerate(stat_layers):
-            if flags[1 + i] > 0:
+            if counts[1 + i] > 0:
                 statistics[layer] = local[layer]
             else:
                 statistics.pop(layer, None)
-        if bool(flags[0] > 0):
+        if counts[0] > 0:
             found_inf = torch.ones((), dtype=torch.float32, device=device)
         elif found_inf is not None:
             found_inf = torch.zeros((), dtype=torch.float32, device=device)
         return (None if grads else grad_scale), found_inf
 
     @staticmethod
-    def _grad_segment(p: Tensor, flags: Tensor, flag: int, scale: float) -> Segment:
+    def _grad_segment(p: Tensor, counts: list[float], flag: int, scale: float) -> Segment:
         def pack(dtype: torch.dtype) -> Tensor:
             if p.grad is None:
                 return torch.zeros(p.numel(), dtype=dtype, device=p.device)
             return p.grad.detach().reshape(-1).to(dtype) * scale
 
         def unpack(flat: Tensor) -> None:
-            if flags[flag] > 0:
+            if counts[flag] > 0:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 p.grad.copy_(flat.view(p.shape))
@@ -161,11 +161,10 @@ class Synchronizer:
         return Segment(p.numel(), pack, unpack)
 
     @staticmethod
-    def _stat_segment(tensor: Tensor, symmetric: bool, flags: Tensor, flag: int) -> Segment:
+    def _stat_segment(tensor: Tensor, symmetric: bool, counts: list[float], flag: int) -> Segment:
         def unpack(flat: Tensor) -> None:
-            count = float(flags[flag])
-            if count > 0:
-                unpack_tensor_(tensor, symmetric, flat / count)
+            if counts[flag] > 0:
+                unpack_tensor_(tensor, symmetric, flat / counts[flag])
 
         numel = packed_numel(tensor, symmetric)
         return Segment(numel, lambda dtype: pack_tensor(tensor, symmetric, dtype), unpack)

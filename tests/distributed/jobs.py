@@ -120,6 +120,9 @@ def _counts() -> dict[str, dict]:
                 ddp=ddp,
                 kwargs=singd("block_diagonal:4", distribute_factors=mode == "distributed"),
             )
+    counts["count-block-replicated-ddp-inner"] = dict(  # DDP seen through .module
+        optimizer="singd", ddp=True, pass_inner=True, kwargs=singd("block_diagonal:4")
+    )
     counts["count-kfac-distributed-plain"] = dict(
         optimizer="kfac", kwargs=dict(lr=0.05, T=3, distribute_factors=True)
     )
