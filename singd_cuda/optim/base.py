@@ -149,27 +149,11 @@ class KroneckerOptimizer(Optimizer):
         if params is None:
             params = [p for p in model.parameters() if p.requires_grad]
         super().__init__(params, {**self.common_defaults, **defaults, "step": 0})
-        self._check_params_in_model(model)
-        self._layers = self._find_layers(model)
-        self._layer_group = {layer: self._group_index(layer.weight) for layer in self._layers}
-        norm_params = {id(p) for g in self.param_groups if g["norm_fisher"] for p in g["params"]}
-        self._norm_layers = norm_fisher.find_norm_layers(model, lambda p: id(p) in norm_params)
-        self._norm_set = set(self._norm_layers)
-        for layer in self._norm_layers:
-            self._layer_group[layer] = self._group_index(layer.weight)
-        in_layers = {id(p) for layer in self._layers + self._norm_layers for p in layer.params}
-        self._fallback_params = [
-            p for g in self.param_groups for p in g["params"] if id(p) not in in_layers
-        ]
         self._pending: dict[Layer, dict] = {}
         self._created: list[Tensor] = []  # states first created by this step's statistics
-        self._capture = CurvatureCapture(
-            model, self._layers + self._norm_layers, self._wants_statistics, self._on_statistics
-        )
         self._generators: dict[torch.device, torch.Generator] = {}
-        self._param_index = {
-            id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])
-        }
+        self._capture: CurvatureCapture | None = None
+        self._index_model()
         self._sync: Synchronizer | None = None
         if dist_comm.is_active(process_group):
             costs = [
@@ -228,8 +212,48 @@ class KroneckerOptimizer(Optimizer):
             raise ValueError(f"momentum_lr_ratio must be None or a number >= 0, got {ratio!r}")
 
     def add_param_group(self, param_group: dict) -> None:
+        """Add a group; after construction its layers are found and hooked too (call it
+        between steps). Not supported with distributed training."""
         super().add_param_group(param_group)
-        self.validate_group(self.param_groups[-1])
+        try:
+            self.validate_group(self.param_groups[-1])
+            if "_sync" in self.__dict__:  # after construction
+                if self._sync is not None:
+                    raise NotImplementedError(
+                        "add_param_group after construction is not supported with distributed "
+                        f"training; pass every group to {type(self).__name__}(...)"
+                    )
+                self._index_model()
+        except Exception:
+            self.param_groups.pop()  # leave the optimizer as it was
+            if "_sync" in self.__dict__:
+                self._index_model()
+            raise
+
+    def _index_model(self) -> None:
+        """Find the preconditioned layers, the norm layers and the fallback parameters of
+        the current groups, and hook the layers (again, after a later add_param_group)."""
+        model = self.model
+        self._check_params_in_model(model)
+        self._layers = self._find_layers(model)
+        self._layer_group = {layer: self._group_index(layer.weight) for layer in self._layers}
+        norm_params = {id(p) for g in self.param_groups if g["norm_fisher"] for p in g["params"]}
+        self._norm_layers = norm_fisher.find_norm_layers(model, lambda p: id(p) in norm_params)
+        self._norm_set = set(self._norm_layers)
+        for layer in self._norm_layers:
+            self._layer_group[layer] = self._group_index(layer.weight)
+        in_layers = {id(p) for layer in self._layers + self._norm_layers for p in layer.params}
+        self._fallback_params = [
+            p for g in self.param_groups for p in g["params"] if id(p) not in in_layers
+        ]
+        if self._capture is not None:
+            self._capture.remove()
+        self._capture = CurvatureCapture(
+            model, self._layers + self._norm_layers, self._wants_statistics, self._on_statistics
+        )
+        self._param_index = {  # new groups append: existing indices (rounding seeds) stay
+            id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])
+        }
 
     def _check_params_in_model(self, model: nn.Module) -> None:
         in_model = {id(p) for p in model.parameters()}
