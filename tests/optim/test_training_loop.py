@@ -132,3 +132,34 @@ def test_frozen_parameters_stay_put(cls):
             assert_bitwise_equal(p.detach(), frozen[name], name)
         else:
             assert not torch.equal(p.detach(), trained[name]), name
+
+
+def test_add_param_group_after_construction():
+    """A group added later (progressive unfreezing) is found, hooked and trained with its
+    own settings: the same as passing it to the constructor."""
+    model = make_mlp()
+    upfront = clone_model(model)
+    batches = random_batches("mlp", 4)
+    first = list(model[0].parameters()) + list(model[2].parameters())
+    opt = SINGD(model, first, lr=0.05, T=1)
+    opt.add_param_group(dict(params=model[4].parameters(), structures="diagonal", lr=0.02))
+    assert [layer.module for layer in opt.layers] == [model[0], model[2], model[4]]
+    groups = [
+        dict(params=list(upfront[0].parameters()) + list(upfront[2].parameters())),
+        dict(params=upfront[4].parameters(), structures="diagonal", lr=0.02),
+    ]
+    train(model, opt, batches)
+    train(upfront, SINGD(upfront, groups, lr=0.05, T=1), batches)
+    assert_models_equal(model, upfront)
+
+
+def test_bad_param_group_added_later_leaves_the_optimizer_as_it_was():
+    model = make_mlp()
+    opt = SINGD(model, model[0].parameters(), lr=0.05, T=1)
+    with pytest.raises(ValueError, match="not a parameter of the model"):
+        opt.add_param_group(dict(params=make_mlp(seed=1)[2].parameters()))
+    with pytest.raises(ValueError, match="lr must be"):
+        opt.add_param_group(dict(params=model[2].parameters(), lr=-1.0))
+    assert len(opt.param_groups) == 1
+    assert [layer.module for layer in opt.layers] == [model[0]]
+    train(model, opt, random_batches("mlp", 2))
