@@ -79,12 +79,13 @@ def test_inf_with_raise_raises_and_changes_nothing(name, bad_step):
     assert_unchanged(model, opt, before)
 
 
+@pytest.mark.parametrize("unscale", [False, True], ids=["step", "unscale+clip"])
 @pytest.mark.parametrize("bad_step", BAD_STEPS)
 @pytest.mark.parametrize("name", NAMES)
-def test_inf_with_scaler_changes_nothing(name, bad_step):
+def test_inf_with_scaler_changes_nothing(name, bad_step, unscale):
     model = MODELS["cnn"]()
-    opt = make_optimizer(name, model)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=10**6)
+    opt = make_optimizer(name, model, grad_scaler=scaler)
     batches = random_batches("cnn", 6)
     warm_up(model, opt, batches, bad_step)
     before = snapshot(model, opt)
@@ -92,6 +93,9 @@ def test_inf_with_scaler_changes_nothing(name, bad_step):
     opt.zero_grad()
     scaler.scale(loss_fn(model(x), y)).backward()
     inject_inf(model)
+    if unscale:
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the scaler's skip is routine: no warning
         scaler.step(opt)
@@ -120,6 +124,34 @@ def test_skipped_step_drops_its_statistics(name, bad_step):
         ref_opt.zero_grad()
         loss_fn(reference(x), y).backward()
         ref_opt.step()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert_bitwise_equal(p.detach(), q.detach())
+    assert_states_equal(opt.state_dict(), copy.deepcopy(ref_opt.state_dict()))
+
+
+@pytest.mark.parametrize("bad_step", BAD_STEPS)
+@pytest.mark.parametrize("name", NAMES)
+def test_scaler_skip_then_continue_equals_never_seeing_the_batch(name, bad_step):
+    """With a GradScaler: the skip halves the scale, later statistics are unscaled by the
+    new scale (exactly: powers of two), and the skipped batch leaves no trace."""
+    model = MODELS["mlp"]()
+    reference = clone_model(model)
+    batches = random_batches("mlp", 6)
+    opt, ref_opt = make_optimizer(name, model), make_optimizer(name, reference)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=10**6)
+    for index, (x, y) in enumerate(batches):
+        opt.zero_grad()
+        scaler.scale(loss_fn(model(x), y)).backward()
+        if index == bad_step:
+            inject_inf(model)
+        scaler.step(opt)
+        scaler.update()
+        if index == bad_step:
+            continue
+        ref_opt.zero_grad()
+        loss_fn(reference(x), y).backward()
+        ref_opt.step()
+    assert scaler.get_scale() == 2.0**9
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         assert_bitwise_equal(p.detach(), q.detach())
     assert_states_equal(opt.state_dict(), copy.deepcopy(ref_opt.state_dict()))
