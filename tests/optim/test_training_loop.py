@@ -163,3 +163,23 @@ def test_bad_param_group_added_later_leaves_the_optimizer_as_it_was():
     assert len(opt.param_groups) == 1
     assert [layer.module for layer in opt.layers] == [model[0]]
     train(model, opt, random_batches("mlp", 2))
+
+
+@pytest.mark.parametrize("cls", [SINGD, AdaFisher])
+def test_step_with_closure(cls):
+    """step(closure): the closure's forward/backward feed this step's statistics."""
+    model = make_mlp()
+    with_closure = clone_model(model)
+    batches = random_batches("mlp", 3)
+    train(model, cls(model, lr=0.05, T=1), batches)
+    opt = cls(with_closure, lr=0.05, T=1)
+    for x, y in batches:
+
+        def closure(x=x, y=y):
+            opt.zero_grad()
+            loss = loss_fn(with_closure(x), y)
+            loss.backward()
+            return loss
+
+        assert torch.isfinite(opt.step(closure))
+    assert_models_equal(with_closure, model)
