@@ -212,9 +212,10 @@ def test_dense_singd_equals_float64_reference(kind, bias, T, kfac_like):
     assert (K - K.T).abs().max() > 1e-8 * K.abs().max()
 
 
-@pytest.mark.parametrize("loss_average", ["batch", "batch+sequence"])
+@pytest.mark.parametrize("loss_average", ["batch", "batch+sequence", None])
 def test_linear_with_leading_dims(loss_average):
-    """Linear on (B, T, d): rows are B·T; L is B ('batch') or B·T ('batch+sequence')."""
+    """Linear on (B, T, d): rows are B·T; L is B ('batch': a mean over sequences),
+    B·T ('batch+sequence': a mean over tokens) or 1 (None: a sum)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 3)).double()
     gen = torch.Generator().manual_seed(3)
@@ -228,10 +229,14 @@ def test_linear_with_leading_dims(loss_average):
 
     def seq_loss(out, target):
         err = (out - target).square().sum(-1)  # (B, T)
+        if loss_average is None:
+            return err.sum()
         return err.mean() if loss_average == "batch+sequence" else err.sum(1).mean()
 
     def loss_terms(x):
-        return x.shape[0] * x.shape[1] if loss_average == "batch+sequence" else x.shape[0]
+        return {"batch": x.shape[0], "batch+sequence": x.shape[0] * x.shape[1], None: 1}[
+            loss_average
+        ]
 
     hp = dict(HYPER, T=2, kfac_like=False)
     weights, layers = reference_singd(model, batches, hp, loss=seq_loss, loss_terms=loss_terms)
