@@ -10,6 +10,11 @@ Step schedule (as in the published SINGD code): steps count from 0; on a step
 t with t % T == 0 the statistics of the forwards/backwards before it update
 the factors, then the gradient is preconditioned with the new factors. A step
 skipped for a non-finite gradient changes no state, not even the counter.
+
+Under torch.distributed a :class:`~singd_cuda.distributed.Synchronizer` averages
+gradients (plain models) and statistics once per step, before any decision, and
+with ``distribute_factors`` each rank steps only the layers it owns (see
+:mod:`singd_cuda.distributed.synchronizer`).
 """
 
 from __future__ import annotations

@@ -109,6 +109,13 @@ class KFAC(KroneckerOptimizer):
 
     ``T_inv`` (None: at every factor update) recomputes the inverses on the factor
     updates whose step is a multiple of it (use a multiple of T).
+
+    Large-batch recipe (Osawa et al., arXiv 1811.12019): ``norm_fisher=True`` trains
+    BatchNorm/LayerNorm/GroupNorm affine parameters with a diagonal empirical Fisher
+    (damping ``norm_damping``) instead of AdamW; ``weight_rescale=True`` rescales each
+    preconditioned weight to norm √(2·d_out) after its update; ``momentum_lr_ratio=r``
+    sets the momentum to r·lr at every step. Under torch.distributed (``process_group``,
+    ``distribute_factors``, ``bucket_cap_mb``) see :mod:`singd_cuda.distributed`.
     """
 
     def __init__(

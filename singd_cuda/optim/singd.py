@@ -170,6 +170,13 @@ class SINGD(KroneckerOptimizer):
     ``kfac_like=True`` is IKFAC (alpha1 forced to 0). ``damping``, ``lr_cov`` and ``T``
     may be callables of the step. Parameters of other modules train with AdamW
     (``fallback_*`` settings).
+
+    Large-batch recipe (Osawa et al., arXiv 1811.12019): ``norm_fisher=True`` trains
+    BatchNorm/LayerNorm/GroupNorm affine parameters with a diagonal empirical Fisher
+    (damping ``norm_damping``) instead of AdamW; ``weight_rescale=True`` rescales each
+    preconditioned weight to norm √(2·d_out) after its update; ``momentum_lr_ratio=r``
+    sets the momentum to r·lr at every step. Under torch.distributed (``process_group``,
+    ``distribute_factors``, ``bucket_cap_mb``) see :mod:`singd_cuda.distributed`.
     """
 
     def __init__(
