@@ -1,0 +1,314 @@
+// CPU kernels of the list ops (update epilogues, diagonal preconditioned step, diagonal
+// factor update): every tensor of a list is cut into spans of at most kSpan elements and
+// all spans of all tensors run in one at::parallel_for. Loops are branch-free in the
+// element index so the compiler vectorises them; the element math is singd_math.h.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <type_traits>
+#include <vector>
+
+#include "../op_checks.h"
+
+namespace singd {
+namespace {
+
+constexpr int64_t kSpan = 1 << 15;
+
+// Rows [begin, end) of tensor `tensor` viewed as (rows, row_len).
+struct Span {
+  size_t tensor;
+  int64_t begin;
+  int64_t end;
+};
+
+// Spans of at most ~kSpan elements over all tensors; row_len[i] elements form one row of
+// tensor i (1 for flat tensors), and spans never split a row.
+std::vector<Span> make_spans(const std::vector<int64_t>& rows,
+                             const std::vector<int64_t>& row_len) {
+  std::vector<Span> spans;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const int64_t step = std::max<int64_t>(1, kSpan / std::max<int64_t>(1, row_len[i]));
+    for (int64_t r = 0; r < rows[i]; r += step) {
+      spans.push_back({i, r, std::min(rows[i], r + step)});
+    }
+  }
+  return spans;
+}
+
+template <typename F>
+void parallel_spans(const std::vector<Span>& spans, const F& body) {
+  at::parallel_for(0, static_cast<int64_t>(spans.size()), 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t s = lo; s < hi; ++s) body(spans[s]);
+  });
+}
+
+// Value of an optional one-element tensor (inv_scale), 1 when absent.
+double value_or_one(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? t->item<double>() : 1.0;
+}
+
+bool skip_step(const std::optional<at::Tensor>& found_inf) {
+  return found_inf.has_value() && found_inf->item<double>() != 0.0;
+}
+
+// ---- loops over one span ----------------------------------------------------------------
+
+// SGD (kAdam false; kMomentum selects whether buf is read and written) or the Adam form
+// (state always present, denominator 1).
+template <bool kAdam, bool kMomentum, bool kStochastic, typename P, typename G, typename S,
+          typename T>
+void epilogue_loop(P* p, const G* g, S* state, int64_t lo, int64_t hi, const Epilogue<T> e,
+                   uint32_t key) {
+  for (int64_t i = lo; i < hi; ++i) {
+    T s = kMomentum ? static_cast<T>(state[i]) : T(0);
+    T np;
+    if constexpr (kAdam) {
+      np = adam_element(static_cast<T>(p[i]), static_cast<T>(g[i]), s, T(1), e);
+    } else {
+      np = sgd_element<kMomentum>(static_cast<T>(p[i]), static_cast<T>(g[i]), s, e);
+    }
+    if constexpr (kMomentum) state[i] = static_cast<S>(s);
+    p[i] = store_param<P>(np, kStochastic, key, i);
+  }
+}
+
+// Rows [lo, hi) of a (rows, cols) parameter on the diagonal path.
+template <bool kAdaFisher, bool kMomentum, bool kStochastic, typename P, typename G, typename S,
+          typename T>
+void diag_loop(P* p, const G* g, S* state, const T* row, const T* col, int64_t cols, int64_t lo,
+               int64_t hi, const Epilogue<T> e, uint32_t key) {
+  for (int64_t r = lo; r < hi; ++r) {
+    const T rs = row[r];
+    const int64_t base = r * cols;
+    for (int64_t j = 0; j < cols; ++j) {
+      const int64_t i = base + j;
+      T s = kMomentum ? static_cast<T>(state[i]) : T(0);
+      T np;
+      if constexpr (kAdaFisher) {
+        np = adafisher_element(static_cast<T>(p[i]), static_cast<T>(g[i]), s, rs, col[j], e);
+      } else {
+        np = singd_diag_element<kMomentum>(static_cast<T>(p[i]), static_cast<T>(g[i]), s, rs,
+                                           col[j], e);
+      }
+      if constexpr (kMomentum) state[i] = static_cast<S>(s);
+      p[i] = store_param<P>(np, kStochastic, key, i);
+    }
+  }
+}
+
+// ---- ops ----------------------------------------------------------------------------------
+
+struct EpilogueCall {
+  const char* state_name;
+  at::TensorList params;
+  at::TensorList grads;
+  at::TensorList state;
+  Hyper hyper;
+  const std::optional<at::Tensor>& inv_scale;
+  const std::optional<at::Tensor>& found_inf;
+  bool stochastic;
+  int64_t seed;
+};
+
+void run_epilogue(const char* op, const EpilogueCall& c) {
+  const bool momentum = c.hyper.adam || c.hyper.momentum != 0.0;
+  check_lists(op, c.params, {{"updates", c.grads}, {c.state_name, c.state}},
+              momentum ? nullptr : c.state_name);
+  if (c.params.empty()) return;
+  check_optional_scalars(op, c.inv_scale, c.found_inf, c.params[0].device());
+  if (skip_step(c.found_inf)) return;
+  const double inv = value_or_one(c.inv_scale);
+
+  auto params = in_place(c.params);
+  auto state = in_place(momentum ? c.state : at::TensorList());
+  const auto grads = contiguous(c.grads);
+  std::vector<int64_t> rows, ones;
+  for (const auto& p : c.params) {
+    rows.push_back(p.numel());
+    ones.push_back(1);
+  }
+  parallel_spans(make_spans(rows, ones), [&](const Span& sp) {
+    const size_t i = sp.tensor;
+    const at::Tensor& p = params[i].work();
+    const at::Tensor& s = momentum ? state[i].work() : p;
+    const uint32_t key = stream_key(c.seed, static_cast<int64_t>(i));
+    dispatch_types(
+        p.scalar_type(), grads[i].scalar_type(), s.scalar_type(), [&](auto tp, auto tg, auto ts) {
+          using P = typename decltype(tp)::type;
+          using G = typename decltype(tg)::type;
+          using S = typename decltype(ts)::type;
+          using T = at::opmath_type<P>;
+          const Epilogue<T> e = make_epilogue<T>(c.hyper, inv);
+          with_bool(c.hyper.adam, [&](auto adam) {
+            with_bool(momentum, [&](auto mom) {
+              with_bool(c.stochastic, [&](auto sr) {
+                epilogue_loop<decltype(adam)::value, decltype(mom)::value, decltype(sr)::value>(
+                    p.data_ptr<P>(), grads[i].const_data_ptr<G>(), s.data_ptr<S>(), sp.begin,
+                    sp.end, e, key);
+              });
+            });
+          });
+        });
+  });
+  commit_all(params);
+  commit_all(state);
+}
+
+void sgd_epilogue_cpu(at::TensorList params, at::TensorList updates, at::TensorList momentum_bufs,
+                      double lr, double momentum, double weight_decay, bool decoupled,
+                      const std::optional<at::Tensor>& inv_scale,
+                      const std::optional<at::Tensor>& found_inf, bool stochastic_rounding,
+                      int64_t seed) {
+  Hyper h;
+  h.lr = lr;
+  h.momentum = momentum;
+  h.weight_decay = weight_decay;
+  h.decoupled = decoupled;
+  run_epilogue("sgd_epilogue_", {"momentum_bufs", params, updates, momentum_bufs, h, inv_scale,
+                                 found_inf, stochastic_rounding, seed});
+}
+
+void adam_epilogue_cpu(at::TensorList params, at::TensorList updates, at::TensorList exp_avgs,
+                       double lr, double beta, int64_t step, double weight_decay, bool decoupled,
+                       const std::optional<at::Tensor>& inv_scale,
+                       const std::optional<at::Tensor>& found_inf, bool stochastic_rounding,
+                       int64_t seed) {
+  Hyper h;
+  h.lr = lr;
+  h.momentum = beta;
+  h.weight_decay = weight_decay;
+  h.decoupled = decoupled;
+  h.adam = true;
+  h.step = step;
+  check_adam("adam_epilogue_", h);
+  run_epilogue("adam_epilogue_", {"exp_avgs", params, updates, exp_avgs, h, inv_scale, found_inf,
+                                  stochastic_rounding, seed});
+}
+
+void diag_precond_step_cpu(at::TensorList params_in, at::TensorList grads_in,
+                           at::TensorList bufs_in, at::TensorList row_scales,
+                           at::TensorList col_scales, c10::string_view mode, double lr,
+                           double momentum, double damping, double weight_decay, bool decoupled,
+                           int64_t step, const std::optional<at::Tensor>& inv_scale,
+                           const std::optional<at::Tensor>& found_inf, bool stochastic_rounding,
+                           int64_t seed) {
+  const char* op = "diag_precond_step_";
+  const bool adafisher = parse_adafisher_mode(mode);
+  Hyper h;
+  h.lr = lr;
+  h.momentum = momentum;
+  h.weight_decay = weight_decay;
+  h.damping = damping;
+  h.decoupled = decoupled;
+  h.adam = adafisher;
+  h.step = step;
+  if (adafisher) check_adam(op, h);
+  const bool use_state = adafisher || momentum != 0.0;
+  check_lists(op, params_in, {{"grads", grads_in}, {"bufs", bufs_in}},
+              use_state ? nullptr : "bufs");
+  check_scales(params_in, row_scales, col_scales);
+  if (params_in.empty()) return;
+  check_optional_scalars(op, inv_scale, found_inf, params_in[0].device());
+  if (skip_step(found_inf)) return;
+  const double inv = value_or_one(inv_scale);
+
+  auto params = in_place(params_in);
+  auto state = in_place(use_state ? bufs_in : at::TensorList());
+  const auto grads = contiguous(grads_in);
+  std::vector<at::Tensor> rows_s, cols_s;
+  std::vector<int64_t> rows, row_len;
+  for (size_t i = 0; i < params_in.size(); ++i) {
+    rows_s.push_back(as_scale(row_scales[i], params_in[i].scalar_type()));
+    cols_s.push_back(as_scale(col_scales[i], params_in[i].scalar_type()));
+    rows.push_back(params_in[i].size(0));
+    row_len.push_back(params_in[i].size(1));
+  }
+  parallel_spans(make_spans(rows, row_len), [&](const Span& sp) {
+    const size_t i = sp.tensor;
+    const at::Tensor& p = params[i].work();
+    const at::Tensor& s = use_state ? state[i].work() : p;
+    const uint32_t key = stream_key(seed, static_cast<int64_t>(i));
+    dispatch_types(
+        p.scalar_type(), grads[i].scalar_type(), s.scalar_type(), [&](auto tp, auto tg, auto ts) {
+          using P = typename decltype(tp)::type;
+          using G = typename decltype(tg)::type;
+          using S = typename decltype(ts)::type;
+          using T = at::opmath_type<P>;
+          const Epilogue<T> e = make_epilogue<T>(h, inv);
+          with_bool(adafisher, [&](auto ada) {
+            with_bool(use_state, [&](auto mom) {
+              with_bool(stochastic_rounding, [&](auto sr) {
+                diag_loop<decltype(ada)::value, decltype(mom)::value, decltype(sr)::value>(
+                    p.data_ptr<P>(), grads[i].const_data_ptr<G>(), s.data_ptr<S>(),
+                    rows_s[i].const_data_ptr<T>(), cols_s[i].const_data_ptr<T>(), p.size(1),
+                    sp.begin, sp.end, e, key);
+              });
+            });
+          });
+        });
+  });
+  commit_all(params);
+  commit_all(state);
+}
+
+void diag_factor_update_cpu(at::TensorList k_in, at::TensorList m_in, at::TensorList h_in,
+                            at::TensorList a, at::TensorList b, double alpha1, double beta1,
+                            double damping) {
+  const char* op = "diag_factor_update_";
+  check_lists(op, k_in, {{"m", m_in}, {"h", h_in}});
+  check_traces(k_in, a, "a");
+  check_traces(k_in, b, "b");
+  if (k_in.empty()) return;
+  auto k = in_place(k_in);
+  auto m = in_place(m_in);
+  const auto h = contiguous(h_in);
+  std::vector<double> a_val(k_in.size(), 1.0), b_val(k_in.size(), 1.0);
+  std::vector<int64_t> rows, ones;
+  for (size_t i = 0; i < k_in.size(); ++i) {
+    if (!a.empty()) a_val[i] = a[i].item<double>();
+    if (!b.empty()) b_val[i] = b[i].item<double>();
+    rows.push_back(k_in[i].numel());
+    ones.push_back(1);
+  }
+  parallel_spans(make_spans(rows, ones), [&](const Span& sp) {
+    const size_t i = sp.tensor;
+    const at::Tensor& kt = k[i].work();
+    const at::Tensor& mt = m[i].work();
+    dispatch_types(kt.scalar_type(), mt.scalar_type(), h[i].scalar_type(),
+                   [&](auto tk, auto tm, auto th) {
+                     using K = typename decltype(tk)::type;
+                     using M = typename decltype(tm)::type;
+                     using H = typename decltype(th)::type;
+                     using T = at::opmath_type<K>;
+                     K* kp = kt.data_ptr<K>();
+                     M* mp = mt.data_ptr<M>();
+                     const H* hp = h[i].const_data_ptr<H>();
+                     const T av = static_cast<T>(a_val[i]);
+                     const T lam_b = static_cast<T>(damping) * static_cast<T>(b_val[i]);
+                     const T al = static_cast<T>(alpha1);
+                     const T be = static_cast<T>(beta1);
+                     for (int64_t j = sp.begin; j < sp.end; ++j) {
+                       T kv = static_cast<T>(kp[j]);
+                       T mv = static_cast<T>(mp[j]);
+                       factor_element(kv, mv, static_cast<T>(hp[j]), av, lam_b, al, be);
+                       kp[j] = static_cast<K>(kv);
+                       mp[j] = static_cast<M>(mv);
+                     }
+                   });
+  });
+  commit_all(k);
+  commit_all(m);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(singd_cuda, CPU, m) {
+  m.impl("sgd_epilogue_", &sgd_epilogue_cpu);
+  m.impl("adam_epilogue_", &adam_epilogue_cpu);
+  m.impl("diag_precond_step_", &diag_precond_step_cpu);
+  m.impl("diag_factor_update_", &diag_factor_update_cpu);
+}
+
+}  // namespace singd

@@ -1,0 +1,226 @@
+// CUDA kernels of the statistics reductions (see csrc/cpu/reductions.cpp for the
+// definitions). Each block writes one partial sum per output into a (splits, d) buffer that
+// is then summed in a fixed order, so results are deterministic (no atomics).
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "../op_checks.h"
+#include "device_utils.cuh"
+
+namespace singd::cuda {
+namespace {
+
+constexpr int kColsX = 32;  // threads across columns in the column kernel
+constexpr int kRowsY = 8;   // threads across rows in the column kernel
+
+// x (rows, d) row-major; thread (tx, ty) of block (bx, by) sums V consecutive columns over
+// rows by*kRowsY + ty + k*kRowsY*gridDim.y; partial[by, c] = block total of column c.
+template <int V, typename S, typename T>
+__global__ void __launch_bounds__(kColsX* kRowsY)
+    column_kernel(const S* x, int64_t rows, int64_t d, T* partial) {
+  __shared__ T totals[kRowsY][kColsX * V];
+  const int64_t c0 = (static_cast<int64_t>(blockIdx.x) * kColsX + threadIdx.x) * V;
+  T acc[V] = {};
+  if (c0 < d) {
+    for (int64_t r = static_cast<int64_t>(blockIdx.y) * kRowsY + threadIdx.y; r < rows;
+         r += static_cast<int64_t>(kRowsY) * gridDim.y) {
+      T v[V];
+      if (V == 1 || c0 + V <= d) {
+        load<V>(x + r * d, c0, v);
+      } else {
+#pragma unroll
+        for (int j = 0; j < V; ++j) v[j] = c0 + j < d ? static_cast<T>(x[r * d + c0 + j]) : T(0);
+      }
+#pragma unroll
+      for (int j = 0; j < V; ++j) acc[j] += v[j] * v[j];
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < V; ++j) totals[threadIdx.y][threadIdx.x * V + j] = acc[j];
+  __syncthreads();
+  if (threadIdx.y == 0) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      T t = T(0);
+#pragma unroll
+      for (int y = 0; y < kRowsY; ++y) t += totals[y][threadIdx.x * V + j];
+      if (c0 + j < d) partial[blockIdx.y * d + c0 + j] = t;
+    }
+  }
+}
+
+// x (outer, d, inner) contiguous; block (c, by) sums channel c over the slices
+// o = by, by + gridDim.y, ...; partial[by, c] = block total.
+template <int V, typename S, typename T>
+__global__ void __launch_bounds__(kThreads)
+    channel_kernel(const S* x, int64_t outer, int64_t d, int64_t inner, T* partial) {
+  const int64_t c = blockIdx.x;
+  T acc = T(0);
+  for (int64_t o = blockIdx.y; o < outer; o += gridDim.y) {
+    const S* seg = x + (o * d + c) * inner;
+    for (int64_t i = static_cast<int64_t>(threadIdx.x) * V; i < inner; i += kThreads * V) {
+      T v[V];
+      load<V>(seg, i, v);
+#pragma unroll
+      for (int j = 0; j < V; ++j) acc += v[j] * v[j];
+    }
+  }
+  acc = block_sum(acc);
+  if (threadIdx.x == 0) partial[blockIdx.y * d + c] = acc;
+}
+
+// Sum of a (splits, n) partial buffer over its splits.
+at::Tensor total(const at::Tensor& partial) {
+  return partial.size(0) == 1 ? partial[0] : partial.sum(0);
+}
+
+at::Tensor col_sum_squares_cuda(const at::Tensor& x_in, int64_t dim) {
+  const ReductionLayout l = reduction_layout(x_in, dim);
+  TORCH_CHECK(x_in.is_cuda(), "col_sum_squares: expected a CUDA tensor");
+  const auto acc_type = at::toOpMathType(x_in.scalar_type());
+  if (x_in.numel() == 0) return at::zeros({l.d}, x_in.options().dtype(acc_type));
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const cudaStream_t stream = current_stream();
+  const at::Tensor x = x_in.contiguous();
+  const int64_t target_blocks = 4 * sm_count();
+  at::Tensor out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, x.scalar_type(), "col_sum_squares", [&] {
+        using S = scalar_t;
+        using T = at::opmath_type<S>;
+        constexpr int V = static_cast<int>(16 / sizeof(S));
+        const S* xp = x.const_data_ptr<S>();
+        if (l.inner == 1) {
+          const bool vec = l.d % V == 0 && aligned(xp, V * sizeof(S));
+          const int width = vec ? V : 1;
+          const int64_t gx = ceil_div(l.d, kColsX * width);
+          const int64_t gy =
+              std::clamp<int64_t>(ceil_div(target_blocks, gx), 1,
+                                  std::min<int64_t>(ceil_div(l.outer, 4 * kRowsY), 65535));
+          at::Tensor partial = at::empty({gy, l.d}, x.options().dtype(acc_type));
+          const dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(gy));
+          const dim3 block(kColsX, kRowsY);
+          if (vec) {
+            column_kernel<V, S, T>
+                <<<grid, block, 0, stream>>>(xp, l.outer, l.d, partial.data_ptr<T>());
+          } else {
+            column_kernel<1, S, T>
+                <<<grid, block, 0, stream>>>(xp, l.outer, l.d, partial.data_ptr<T>());
+          }
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+          out = total(partial);
+        } else {
+          const bool vec = l.inner % V == 0 && aligned(xp, V * sizeof(S));
+          const int64_t gy = std::clamp<int64_t>(ceil_div(target_blocks, l.d), 1,
+                                                 std::min<int64_t>(l.outer, 65535));
+          at::Tensor partial = at::empty({gy, l.d}, x.options().dtype(acc_type));
+          const dim3 grid(static_cast<unsigned>(l.d), static_cast<unsigned>(gy));
+          if (vec) {
+            channel_kernel<V, S, T>
+                <<<grid, kThreads, 0, stream>>>(xp, l.outer, l.d, l.inner, partial.data_ptr<T>());
+          } else {
+            channel_kernel<1, S, T>
+                <<<grid, kThreads, 0, stream>>>(xp, l.outer, l.d, l.inner, partial.data_ptr<T>());
+          }
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+          out = total(partial);
+        }
+      });
+  return out;
+}
+
+// partial[split, c, p] = sum over the split's samples b of (mean_g x[b, g * Cg + c, p])^2,
+// one thread per (c, p) position of the (Cg, H * W) plane.
+template <typename S, typename T>
+__global__ void __launch_bounds__(kThreads)
+    group_mean_squares_kernel(const S* x, ConvGeometry g, int64_t per_split, T* partial) {
+  const int64_t hw = g.H * g.W;
+  const int64_t n = g.Cg * hw;
+  const int64_t q = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (q >= n) return;
+  const int64_t c = q / hw;
+  const int64_t pos = q - c * hw;
+  const int64_t b0 = static_cast<int64_t>(blockIdx.y) * per_split;
+  const int64_t b1 = min(g.B, b0 + per_split);
+  const T inv_groups = T(1) / static_cast<T>(g.groups);
+  T acc = T(0);
+  for (int64_t b = b0; b < b1; ++b) {
+    T mean = T(0);
+    for (int64_t grp = 0; grp < g.groups; ++grp) {
+      mean += static_cast<T>(x[(b * g.C + grp * g.Cg + c) * hw + pos]);
+    }
+    if (g.groups > 1) mean *= inv_groups;
+    acc += mean * mean;
+  }
+  partial[blockIdx.y * n + q] = acc;
+}
+
+// out[t], t = (c * kh + i) * kw + j: sum of sq[c] over the input positions that kernel
+// offset (i, j) visits; one block per t.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    window_sums_kernel(const T* sq, ConvGeometry g, T* out) {
+  const int64_t t = blockIdx.x;
+  const int64_t c = t / (g.kh * g.kw);
+  const int64_t i = (t / g.kw) % g.kh;
+  const int64_t j = t % g.kw;
+  int64_t oh0, oh1, ow0, ow1;
+  valid_outputs(g.H, g.OH, g.sh, g.ph, i, g.dh, &oh0, &oh1);
+  valid_outputs(g.W, g.OW, g.sw, g.pw, j, g.dw, &ow0, &ow1);
+  const int64_t nw = ow1 - ow0;
+  const int64_t count = (oh1 - oh0) * nw;
+  const T* plane = sq + c * g.H * g.W;
+  T acc = T(0);
+  for (int64_t k = threadIdx.x; k < count; k += kThreads) {
+    const int64_t oh = oh0 + k / nw;
+    const int64_t ow = ow0 + k % nw;
+    acc += plane[(oh * g.sh + i * g.dh - g.ph) * g.W + ow * g.sw + j * g.dw - g.pw];
+  }
+  acc = block_sum(acc);
+  if (threadIdx.x == 0) out[t] = acc;
+}
+
+at::Tensor conv2d_patch_sum_squares_cuda(const at::Tensor& x_in, at::IntArrayRef kernel_size,
+                                         at::IntArrayRef stride, at::IntArrayRef padding,
+                                         at::IntArrayRef dilation, int64_t groups) {
+  const ConvGeometry g = conv_geometry(x_in, kernel_size, stride, padding, dilation, groups);
+  TORCH_CHECK(x_in.is_cuda(), "conv2d_patch_sum_squares: expected a CUDA tensor");
+  const auto acc_type = at::toOpMathType(x_in.scalar_type());
+  at::Tensor out = at::zeros({g.Cg * g.kh * g.kw}, x_in.options().dtype(acc_type));
+  if (x_in.numel() == 0) return out;
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const cudaStream_t stream = current_stream();
+  const at::Tensor x = x_in.contiguous();
+  const int64_t n = g.Cg * g.H * g.W;
+  const int64_t blocks = ceil_div(n, kThreads);
+  const int64_t splits_wanted =
+      std::clamp<int64_t>(ceil_div(8 * sm_count(), blocks), 1, std::min<int64_t>(g.B, 65535));
+  const int64_t per_split = ceil_div(g.B, splits_wanted);
+  const int64_t splits = ceil_div(g.B, per_split);
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, x.scalar_type(), "conv2d_patch_sum_squares", [&] {
+        using S = scalar_t;
+        using T = at::opmath_type<S>;
+        at::Tensor partial = at::empty({splits, g.Cg, g.H, g.W}, x.options().dtype(acc_type));
+        const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(splits));
+        group_mean_squares_kernel<S, T><<<grid, kThreads, 0, stream>>>(
+            x.const_data_ptr<S>(), g, per_split, partial.data_ptr<T>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        const at::Tensor sq = total(partial).contiguous();
+        window_sums_kernel<T><<<static_cast<unsigned>(out.numel()), kThreads, 0, stream>>>(
+            sq.const_data_ptr<T>(), g, out.data_ptr<T>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+  return out;
+}
+
+}  // namespace
+}  // namespace singd::cuda
+
+TORCH_LIBRARY_IMPL(singd_cuda, CUDA, m) {
+  m.impl("col_sum_squares", &singd::cuda::col_sum_squares_cuda);
+  m.impl("conv2d_patch_sum_squares", &singd::cuda::conv2d_patch_sum_squares_cuda);
+}

@@ -1,0 +1,87 @@
+"""col_sum_squares and conv2d_patch_sum_squares against the reference (which unfolds)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from singd_cuda.ops import reference
+
+from .conftest import DTYPES, LAYOUTS, make
+
+# Accumulated sums of squares: summation order differs from torch.sum's.
+RTOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-5, torch.float16: 1e-5}
+
+# (shape, dim): 2-D column sums (d around the vector widths), leading dims, channel sums
+# of a conv gradient, a 1-D input, empty inputs.
+COL_CASES = [
+    ((1, 1), -1),
+    ((5, 3), -1),
+    ((257, 33), -1),
+    ((64, 128), -1),
+    ((2, 7, 16), -1),
+    ((3, 5, 4, 6), 1),
+    ((2, 9, 8, 8), 1),
+    ((11,), 0),
+    ((0, 5), -1),
+    ((4, 0), -1),
+    ((0, 3, 2, 2), 1),
+    ((4000, 40), 0),
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("case", COL_CASES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_col_sum_squares(device, gen, dtype, case, layout):
+    shape, dim = case
+    x = make(shape, dtype, device, gen, layout)
+    out = torch.ops.singd_cuda.col_sum_squares(x, dim)
+    expected = reference.col_sum_squares(x, dim)
+    assert out.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert out.shape == (shape[dim],)
+    torch.testing.assert_close(out, expected, rtol=RTOL[dtype], atol=0)
+
+
+# (B, C, H, W), kernel_size, stride, padding, dilation, groups
+CONV_CASES = [
+    ((2, 3, 8, 8), (3, 3), (1, 1), (1, 1), (1, 1), 1),
+    ((2, 4, 9, 7), (2, 3), (2, 1), (0, 2), (1, 2), 2),
+    ((1, 6, 11, 11), (5, 5), (3, 3), (4, 4), (2, 2), 3),
+    ((3, 4, 5, 6), (1, 1), (1, 1), (0, 0), (1, 1), 4),
+    ((2, 2, 4, 4), (4, 4), (1, 1), (3, 3), (1, 1), 1),
+    ((2, 2, 3, 3), (3, 3), (5, 5), (2, 2), (1, 1), 1),
+    ((0, 4, 6, 6), (3, 3), (1, 1), (1, 1), (1, 1), 2),
+    ((16, 8, 16, 16), (3, 3), (2, 2), (1, 1), (1, 1), 1),
+]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+@pytest.mark.parametrize("case", CONV_CASES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_conv2d_patch_sum_squares(device, gen, dtype, case, layout):
+    shape, *geometry = case
+    x = make(shape, dtype, device, gen, layout)
+    out = torch.ops.singd_cuda.conv2d_patch_sum_squares(x, *geometry)
+    expected = reference.conv2d_patch_sum_squares(x, *geometry)
+    assert out.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    torch.testing.assert_close(out, expected, rtol=RTOL[dtype], atol=0)
+
+
+def test_conv2d_patch_sum_squares_is_diag_of_the_gram(gen):
+    """The reference equals diag(aᵀa) of the group-averaged unfolded input."""
+    x = make((2, 6, 5, 5), torch.float64, "cpu", gen)
+    a = torch.nn.functional.unfold(x.view(2, 3, 2, 5, 5).mean(1), (3, 3), padding=1)
+    a = a.transpose(1, 2).reshape(-1, 2 * 9)
+    expected = (a.T @ a).diagonal()
+    torch.testing.assert_close(reference.conv2d_patch_sum_squares(x, 3, 1, 1, 1, 3), expected)
+
+
+def test_invalid_geometry_raises(cpu_ops):
+    x = torch.zeros(1, 4, 5, 5)
+    with pytest.raises(RuntimeError, match=r"groups \(3\) must divide the channels \(4\)"):
+        cpu_ops.conv2d_patch_sum_squares(x, (3, 3), (1, 1), (0, 0), (1, 1), 3)
+    with pytest.raises(RuntimeError, match="does not fit the padded input"):
+        cpu_ops.conv2d_patch_sum_squares(x, (7, 7), (1, 1), (0, 0), (1, 1), 1)
+    with pytest.raises(RuntimeError, match="must be 4-D"):
+        cpu_ops.conv2d_patch_sum_squares(x[0], (3, 3), (1, 1), (0, 0), (1, 1), 1)
