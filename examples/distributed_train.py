@@ -90,7 +90,7 @@ def main() -> None:
     )
     start = 0
     if args.resume:
-        saved = torch.load(args.checkpoint, map_location=device, weights_only=False)
+        saved = torch.load(args.checkpoint, map_location=device, weights_only=True)
         model.load_state_dict(saved["model"])
         opt.load_full_state_dict(saved["optimizer"])
         start = saved["step"]
@@ -118,6 +118,7 @@ def main() -> None:
                     args.checkpoint,
                 )
                 print(f"saved {args.checkpoint} after step {step}", flush=True)
+    dist.barrier()  # nobody tears its connections down while another rank still talks
     dist.destroy_process_group()
 
 

@@ -4,7 +4,7 @@
   :class:`Warmup` are picklable ones, e.g. ``T=Piecewise([1, 10], [500])`` (refresh the
   factors every step for 500 steps, then every 10) and
   ``damping=Warmup(start=1e-1, target=1e-3, steps=1000)`` (damping decays geometrically
-  from a large value to its target).
+  from a large value to its target). Both survive ``torch.load(weights_only=True)``.
 * ``weight_rescale=True``: after its update, each preconditioned layer's weight is
   rescaled to the norm √(2·d_out) it has in expectation under He initialisation.
 * ``momentum_lr_ratio=r``: the momentum is set to r·lr from the learning rate read at
@@ -58,6 +58,11 @@ class Warmup:
             return self.target
         fraction = step / self.steps
         return math.exp((1 - fraction) * math.log(self.start) + fraction * math.log(self.target))
+
+
+# Optimizer state_dicts hold the schedules in their param_groups: let torch.load with
+# weights_only=True (the default) rebuild them.
+torch.serialization.add_safe_globals([Piecewise, Warmup])
 
 
 def rescale_weight_(weight: Tensor) -> None:

@@ -97,6 +97,10 @@ def _jobs() -> dict[str, tuple[str, dict]]:
         "run",
         dict(optimizer="singd", inf_step=3, kwargs=singd("dense", distribute_factors=True)),
     )
+    jobs["singd-block_diagonal:4-distributed-subgroup"] = (
+        "subgroup",
+        dict(optimizer="singd", kwargs=singd("block_diagonal:4", distribute_factors=True)),
+    )
     return jobs
 
 

@@ -42,6 +42,7 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, config, out: str
         )
         try:
             result = fn(rank, world_size, config)
+            dist.barrier()
         finally:
             dist.destroy_process_group()
         torch.save(result, path / f"{rank}.pt")

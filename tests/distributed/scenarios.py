@@ -193,7 +193,21 @@ def count_collectives(config: dict, rank: int, world: int) -> dict[str, Any]:
     return {"per_step": per_step, "params": params_of(model)}
 
 
+def run_in_subgroup(config: dict, rank: int, world: int) -> dict[str, Any]:
+    """Ranks 0 and 1 train together in a new group (``process_group=``); others idle."""
+    group = dist.new_group([0, 1])  # every rank must call new_group
+    if rank > 1:
+        return {}
+    config = {**config, "kwargs": {**config.get("kwargs", {}), "process_group": group}}
+    return run(config, rank, 2)
+
+
 def run_many(rank: int, world: int, jobs: list[tuple[str, dict]]) -> list[dict]:
     """Entry point for :func:`launch`: every (kind, config) job in one process group."""
-    kinds = {"run": run, "checkpoint": run_checkpointed, "count": count_collectives}
+    kinds = {
+        "run": run,
+        "checkpoint": run_checkpointed,
+        "count": count_collectives,
+        "subgroup": run_in_subgroup,
+    }
     return [kinds[kind](config, rank, world) for kind, config in jobs]

@@ -36,8 +36,8 @@ def tolerance(config: dict) -> float:
 @pytest.mark.parametrize("key", list(JOBS))
 def test_matches_single_process_full_batch(world, key):
     world_size, results = world
-    _, config = JOBS[key]
-    ranks = results[key]
+    kind, config = JOBS[key]
+    ranks = results[key] if kind != "subgroup" else results[key][:2]  # the others idle
     for rank, result in enumerate(ranks[1:], start=1):  # replicas bitwise equal
         for a, b in zip(ranks[0]["params"], result["params"], strict=True):
             assert torch.equal(a, b), f"rank {rank} differs from rank 0"

@@ -5,6 +5,7 @@ learning rate, and T / damping as callables of the step."""
 from __future__ import annotations
 
 import copy
+import io
 import math
 
 import pytest
@@ -230,6 +231,17 @@ def test_schedule_values():
         Piecewise([1, 2], [3, 4])
     with pytest.raises(ValueError):
         Warmup(start=0.0, target=1.0, steps=3)
+
+
+def test_a_state_dict_with_schedules_loads_with_weights_only():
+    model = conv_model("group")
+    opt = SINGD(model, T=Piecewise([1, 10], [500]), damping=Warmup(1e-1, 1e-3, 100))
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    assert loaded["param_groups"][0]["T"] == Piecewise([1, 10], [500])
+    assert loaded["param_groups"][0]["damping"](100) == 1e-3
 
 
 def test_refresh_every_step_for_500_steps_then_every_10():
