@@ -63,21 +63,25 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true")
     args = parser.parse_args()
 
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    if args.device == "cuda":  # one GPU per process, picked by torchrun's LOCAL_RANK
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    if args.device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    device = (
-        torch.device(args.device, torch.cuda.current_device())
-        if args.device == "cuda"
-        else torch.device("cpu")
-    )
     if args.batch % world:
         raise SystemExit(f"--batch {args.batch} must be divisible by the world size {world}")
 
     torch.manual_seed(0)  # the same initial model on every rank
     model = make_model().to(device)
-    wrapped = DistributedDataParallel(model) if args.ddp else model
+    if args.ddp:
+        wrapped = DistributedDataParallel(
+            model, device_ids=[device] if device.type == "cuda" else None
+        )
+    else:
+        wrapped = model
     opt = SINGD(
         wrapped,
         lr=0.05,
