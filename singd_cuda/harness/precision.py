@@ -1,0 +1,73 @@
+"""Precision modes: how weights, activations and optimizer factors are stored.
+
+========== ============================ ============ ============== ===========
+mode       forward/backward             weights      factor dtype   GradScaler
+========== ============================ ============ ============== ===========
+fp32       float32                      float32      float32        no
+bf16-amp   ``torch.autocast`` bfloat16  float32      bfloat16       no
+fp16-amp   ``torch.autocast`` float16   float32      float16        yes
+bf16-pure  bfloat16 (``model.to``)      bfloat16     bfloat16       no
+========== ============================ ============ ============== ===========
+
+The second-order optimizers keep their Kronecker factors in the mode's low-precision
+dtype (``factor_dtype``): that is where inverse-based methods break and inverse-free
+ones are meant to hold. The loss is always computed from float32 logits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class Precision:
+    """One precision mode (see the module docstring for the table)."""
+
+    name: str
+    description: str
+    autocast_dtype: torch.dtype | None
+    weight_dtype: torch.dtype
+    factor_dtype: torch.dtype
+    uses_scaler: bool
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        """The model with its parameters and buffers in the mode's weight dtype."""
+        return model.to(self.weight_dtype)
+
+    def cast_input(self, x: Tensor) -> Tensor:
+        """Floating-point inputs in the weight dtype; integer inputs unchanged."""
+        return x.to(self.weight_dtype) if x.is_floating_point() else x
+
+    def autocast(self, device: torch.device) -> contextlib.AbstractContextManager:
+        """The autocast context of the forward pass (a no-op without autocast)."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=self.autocast_dtype)
+
+    def make_scaler(self, device: torch.device) -> torch.amp.GradScaler | None:
+        """A fresh ``torch.amp.GradScaler`` for fp16 autocast, else None."""
+        return torch.amp.GradScaler(device.type) if self.uses_scaler else None
+
+
+PRECISIONS: dict[str, Precision] = {
+    p.name: p
+    for p in (
+        Precision("fp32", "float32", None, torch.float32, torch.float32, False),
+        Precision(
+            "bf16-amp", "bfloat16 autocast", torch.bfloat16, torch.float32, torch.bfloat16, False
+        ),
+        Precision(
+            "fp16-amp",
+            "float16 autocast + GradScaler",
+            torch.float16,
+            torch.float32,
+            torch.float16,
+            True,
+        ),
+        Precision("bf16-pure", "bfloat16 weights", None, torch.bfloat16, torch.bfloat16, False),
+    )
+}

@@ -1,0 +1,160 @@
+"""Train and measure one (task, optimizer, precision, seed) run.
+
+A run evaluates the held-out loss before training, every ``steps // 10`` steps and
+after the last step. It stops at the first non-finite training or held-out loss (or
+at an exception from the optimizer, e.g. a failed inverse) and reports where; it never
+raises, so one broken run cannot stop the grid. A run that stays finite but ends with a
+held-out loss above its initial one is reported as diverged.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .data import Task
+from .memory import state_bytes
+from .optimizers import OptimizerChoice
+from .precision import PRECISIONS, Precision
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One cell of the grid."""
+
+    task: str
+    optimizer: OptimizerChoice
+    precision: str
+    seed: int
+    steps: int
+    lr: float
+
+
+@dataclass
+class RunResult:
+    """What one run measured. Losses are None where they were not finite."""
+
+    spec: RunSpec
+    train_loss: list[float | None] = field(default_factory=list)
+    eval_steps: list[int] = field(default_factory=list)
+    eval_loss: list[float | None] = field(default_factory=list)
+    first_nonfinite_step: int | None = None
+    error: str | None = None
+    state_bytes: int = 0
+    step_ms: list[float] = field(default_factory=list)
+
+    @property
+    def diverged(self) -> bool:
+        """Finite throughout, but the held-out loss ended above where it started."""
+        losses = self.eval_loss
+        return self.first_nonfinite_step is None and len(losses) > 1 and losses[-1] > losses[0]
+
+    @property
+    def stable(self) -> bool:
+        """No non-finite loss, no optimizer error, and no divergence."""
+        return self.first_nonfinite_step is None and not self.diverged
+
+    @property
+    def status(self) -> str:
+        """``"stable"``, ``"diverged"``, ``"nan@<step>"`` or ``"error@<step>"``."""
+        if self.first_nonfinite_step is not None:
+            return f"{'error' if self.error else 'nan'}@{self.first_nonfinite_step}"
+        return "diverged" if self.diverged else "stable"
+
+    @property
+    def final_loss(self) -> float | None:
+        """The held-out loss after the last step (None when the run went non-finite)."""
+        return self.eval_loss[-1] if self.first_nonfinite_step is None else None
+
+    @property
+    def best_loss(self) -> float | None:
+        """The lowest finite held-out loss seen."""
+        finite = [x for x in self.eval_loss if x is not None]
+        return min(finite) if finite else None
+
+    @property
+    def median_step_ms(self) -> float | None:
+        """Median wall time of one training step (forward, backward, optimizer step)."""
+        return statistics.median(self.step_ms) if self.step_ms else None
+
+
+def _finite(value: torch.Tensor) -> float | None:
+    x = value.item()
+    return x if math.isfinite(x) else None
+
+
+def _evaluate(task: Task, model, precision: Precision, device: torch.device) -> float | None:
+    model.eval()
+    with torch.no_grad(), precision.autocast(device):
+        x = precision.cast_input(task.eval_x.to(device))
+        loss = task.loss(model(x), task.eval_y.to(device))
+    model.train()
+    return _finite(loss)
+
+
+def train(
+    task: Task,
+    spec: RunSpec,
+    device: torch.device,
+    on_step: Callable[[int], None] = lambda step: None,
+) -> RunResult:
+    """Train ``spec`` on ``task`` and measure it; ``on_step`` is called after each step."""
+    result = RunResult(spec)
+    precision = PRECISIONS[spec.precision]
+    torch.manual_seed(spec.seed)
+    model = precision.prepare(task.make_model().to(device))
+    scaler = precision.make_scaler(device)
+    batches = task.batch_indices(spec.steps, spec.seed)
+    eval_every = max(1, spec.steps // 10)
+    step, optimizer = 0, None
+    try:
+        optimizer = spec.optimizer.build(
+            model, spec.lr, precision.factor_dtype, scaler, task.loss_average
+        )
+        result.eval_steps.append(0)
+        result.eval_loss.append(_evaluate(task, model, precision, device))
+        if result.eval_loss[0] is None:
+            result.first_nonfinite_step = 0
+            return result
+        for step in range(spec.steps):
+            idx = batches[step]
+            x = precision.cast_input(task.train_x[idx].to(device))
+            y = task.train_y[idx].to(device)
+            start = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            with precision.autocast(device):
+                loss = task.loss(model(x), y)
+            result.train_loss.append(_finite(loss))
+            if result.train_loss[-1] is None:
+                result.first_nonfinite_step = step
+                break
+            if scaler is None:
+                loss.backward()
+                optimizer.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            result.step_ms.append(1e3 * (time.perf_counter() - start))
+            on_step(step)
+            if (step + 1) % eval_every == 0 or step + 1 == spec.steps:
+                result.eval_steps.append(step + 1)
+                result.eval_loss.append(_evaluate(task, model, precision, device))
+                if result.eval_loss[-1] is None:
+                    result.first_nonfinite_step = step + 1
+                    break
+    except FloatingPointError:  # the optimizer met a non-finite gradient
+        result.first_nonfinite_step = step
+    except Exception as exc:  # an optimizer failing is a result of the run, not a crash
+        result.error = f"{type(exc).__name__}: {exc}"
+        result.first_nonfinite_step = step
+    if optimizer is not None:
+        result.state_bytes = state_bytes(optimizer)
+    return result
