@@ -23,8 +23,9 @@ kept:
   S_j (KᵀK = L Lᵀ = J (Lᵀ L) J, and the reversal maps the j-th diagonal onto
   the -j-th, which has the same sum for a symmetric matrix).
 
-Half-precision storage is upcast to float32 before any FFT; float64 stays in
-float64.
+On the CPU the FFTs run over chunks of rows in reused buffers (cache-sized
+working set, few large allocations). Half-precision storage is upcast to
+float32 before any FFT; float64 stays in float64.
 """
 
 from __future__ import annotations
@@ -36,11 +37,14 @@ from torch import Tensor
 
 from .base import StructuredMatrix, accumulation_dtype, upcast
 
-# Below this dimension matmul / rmatmul multiply by the dense d x d matrix:
-# cheaper than two FFTs there, and d² entries are at most a few KiB.
-_DIRECT_MAX_DIM = 32
+# Up to this dimension matmul / rmatmul multiply by the dense d x d matrix:
+# cheaper than two FFTs there (CPU, float32, 256 columns), and d² entries are at
+# most 64 KiB in float32.
+_DIRECT_MAX_DIM = 128
 # The last lags of an autocorrelation are summed directly (see _lagged_products_sum).
 _DIRECT_TAIL = 64
+# CPU FFTs run over chunks of rows whose padded signals hold about this many floats.
+_CHUNK_ELEMENTS = 1 << 20
 
 
 def _fft_length(n: int) -> int:
@@ -77,33 +81,71 @@ def _diagonal_sums(M: Tensor) -> Tensor:
     return skewed.sum(0)
 
 
-def _rfft_padded(X: Tensor, n_fft: int) -> Tensor:
-    """rfft of X (..., d) zero-padded to n_fft along the last dim.
+def _rows_per_chunk(rows: int, n_fft: int, device: torch.device) -> int:
+    """Rows per batch of FFTs: on the CPU, about _CHUNK_ELEMENTS floats of padded
+    signal, so the working set stays in cache (all 256 rows up to d = 2048);
+    elsewhere all rows."""
+    if device.type != "cpu":
+        return max(rows, 1)
+    return min(max(rows, 1), max(32, _CHUNK_ELEMENTS // n_fft))
 
-    Copying X into a padded buffer first transposes (when X is a transposed
-    view) and pads in one pass; rfft(X, n=n_fft) would copy twice.
+
+def _fft_buffers(X: Tensor, step: int, n_fft: int) -> tuple[Tensor, Tensor]:
+    """A (step, n_fft) real buffer and a (step, n_fft // 2 + 1) complex one.
+
+    Reused across chunks (rfft/irfft write into them with ``out=``): fewer large
+    allocations, which glibc may otherwise map and fault in afresh on every call.
     """
-    d = X.shape[-1]
-    padded = X.new_empty((*X.shape[:-1], n_fft))
-    padded[..., :d].copy_(X)
-    padded[..., d:].zero_()
-    return torch.fft.rfft(padded)
+    padded = X.new_empty((step, n_fft))
+    spectrum = torch.empty((step, n_fft // 2 + 1), dtype=X.dtype.to_complex(), device=X.device)
+    return padded, spectrum
 
 
 def _toeplitz_apply(c: Tensor, X: Tensor, transpose: bool) -> Tensor:
-    """L(c) x (``transpose`` False) or L(c)ᵀ x along the last dim of X (..., d), via FFT.
+    """Every row x of X (n, d) replaced by L(c) x, or by L(c)ᵀ x with ``transpose``.
 
-    L(c) x is the causal convolution y[i] = Σ_{m<=i} c[m] x[i - m]; L(c)ᵀ x the
-    correlation y[k] = Σ_m c[m] x[k + m], i.e. the same product with conj(rfft(c)).
+    L(c) x is the causal convolution y[i] = Σ_{m<=i} c[m] x[i - m]; L(c)ᵀ x is the
+    correlation y[k] = Σ_m c[m] x[k + m], the same product with conj(rfft(c)).
+    Returns an (n, d) tensor with contiguous rows.
     """
-    d = c.shape[-1]
+    rows, d = X.shape
     n_fft = _fft_length(2 * d - 1)
     C = torch.fft.rfft(c, n=n_fft)
     if transpose:
         C = C.conj()
-    spectrum = _rfft_padded(X, n_fft)
-    spectrum.mul_(C)
-    return torch.fft.irfft(spectrum, n=n_fft)[..., :d]
+    X = X.contiguous()  # a transposed view: one transposing copy, then row copies
+    step = _rows_per_chunk(rows, n_fft, X.device)
+    padded, spectrum = _fft_buffers(X, step, n_fft)
+    out = None if step >= rows else X.new_empty((rows, d))
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        signal, spec = padded[: stop - start], spectrum[: stop - start]
+        signal[:, :d].copy_(X[start:stop])
+        signal[:, d:].zero_()  # the padding (the irfft below overwrites it)
+        torch.fft.rfft(signal, out=spec)
+        spec.mul_(C)
+        torch.fft.irfft(spec, n=n_fft, out=signal)
+        if out is None:
+            return signal[:, :d]
+        out[start:stop] = signal[:, :d]
+    return out
+
+
+def _power_spectrum_sum(Y: Tensor, n_fft: int) -> Tensor:
+    """Σ_rows |rfft(y, n_fft)|² over the rows y of Y (n, d), chunk by chunk."""
+    rows, d = Y.shape
+    total = Y.new_zeros(n_fft // 2 + 1)
+    step = _rows_per_chunk(rows, n_fft, Y.device)
+    padded, spectrum = _fft_buffers(Y, step, n_fft)
+    padded[:, d:].zero_()
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        signal, spec = padded[: stop - start], spectrum[: stop - start]
+        signal[:, :d].copy_(Y[start:stop])
+        torch.fft.rfft(signal, out=spec)
+        power = torch.view_as_real(spec).square_()  # (rows, bins, 2), in place
+        total += power.sum(0).sum(-1)
+    return total
 
 
 def _lagged_products_sum(a: Tensor, b: Tensor) -> Tensor:
@@ -122,10 +164,11 @@ def _lagged_products_sum(a: Tensor, b: Tensor) -> Tensor:
     if m == d:
         return tail
     n_fft = _fft_length(2 * d - 1)
-    A = _rfft_padded(a, n_fft)
-    B = A if same else _rfft_padded(b, n_fft)
-    # Summing the spectra over the rows first needs one inverse FFT only.
-    spectrum = (A.conj() * B).sum(0)
+    if same:
+        # Summing the spectra over the rows first needs one inverse FFT only.
+        spectrum = _power_spectrum_sum(a, n_fft)
+    else:
+        spectrum = (torch.fft.rfft(a, n=n_fft).conj() * torch.fft.rfft(b, n=n_fft)).sum(0)
     return torch.cat((torch.fft.irfft(spectrum, n=n_fft)[: d - m], tail))
 
 
@@ -203,8 +246,9 @@ class _TriangularToeplitz(StructuredMatrix):
             T = TrilToeplitz(self.dim, coeffs=c).to_dense()
             return ((T.T if transpose else T) @ X_acc).to(out_dtype)
         if X_acc.dim() == 1:
-            return _toeplitz_apply(c, X_acc, transpose).to(out_dtype)
-        # FFTs along the last dim of Xᵀ (n, d); the result is a transposed (d, n) view.
+            return _toeplitz_apply(c, X_acc.unsqueeze(0), transpose)[0].to(out_dtype)
+        # FFTs along the rows of Xᵀ (n, d); the result is the transposed view of a
+        # contiguous (n, d) tensor, so that K.rmatmul(a.T).T comes back contiguous.
         return _toeplitz_apply(c, X_acc.T, transpose).T.to(out_dtype)
 
     def matmul(self, X: Tensor) -> Tensor:
@@ -218,7 +262,8 @@ class _TriangularToeplitz(StructuredMatrix):
         acc = accumulation_dtype(self.dtype, other.dtype)
         a = upcast(self.parts["coeffs"], acc)
         b = upcast(other.parts["coeffs"], acc)
-        return type(self)(self.dim, coeffs=_toeplitz_apply(a, b, transpose=False).to(self.dtype))
+        product = _toeplitz_apply(a, b.unsqueeze(0), transpose=False)[0]
+        return type(self)(self.dim, coeffs=product.to(self.dtype))
 
     def project_inner(self) -> _TriangularToeplitz:
         d = self.dim

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from singd_cuda.structures import TrilToeplitz, TriuToeplitz, get
+from singd_cuda.structures import toeplitz as toeplitz_module
 
 from .conftest import assert_close_normwise
 
@@ -116,3 +117,20 @@ def test_large_d_against_float64_direct():
         lagged = float((Y64[:, : d - j] * Y64[:, j:]).sum())
         expected.append(lagged / d if j == 0 else 2 * lagged / (d - j))
     assert_close_normwise(coeffs[lags], torch.tensor(expected), torch.float32)
+
+
+@pytest.mark.parametrize("S", [TrilToeplitz, TriuToeplitz], ids=lambda S: S.name)
+def test_chunked_fft_paths(S, monkeypatch):
+    """Rows split into several FFT batches (as for large d on the CPU) give the same result."""
+    monkeypatch.setattr(toeplitz_module, "_CHUNK_ELEMENTS", 1)  # 32 rows per chunk
+    d = 200
+    gen = torch.Generator().manual_seed(3)
+    K = S(d, coeffs=torch.randn(d, dtype=torch.float64, generator=gen))
+    X = torch.randn(d, 70, dtype=torch.float64, generator=gen)
+    Y = torch.randn(70, d, dtype=torch.float64, generator=gen)
+    Kd = K.to_dense()
+    assert_close_normwise(K.matmul(X), Kd @ X, torch.float64)
+    assert_close_normwise(K.rmatmul(X), Kd.T @ X, torch.float64)
+    assert_close_normwise(
+        S.project_gram(Y).to_dense(), S.project(Y.T @ Y).to_dense(), torch.float64
+    )
