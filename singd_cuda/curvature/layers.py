@@ -102,6 +102,66 @@ def grad_output_matrix(layer: Layer, grad: Tensor, loss_average: str | None, dty
     return g * math.sqrt(num_terms)
 
 
+def input_sum_squares(layer: Layer, x: Tensor, dtype: torch.dtype) -> Tensor:
+    """diag(aᵀa) of :func:`input_matrix` (column sums of squares, bias entry included)
+    without materialising a: one pass over the input (conv patches are not unfolded)."""
+    from ..ops import col_sum_squares, conv2d_patch_sum_squares
+
+    x = x.detach()
+    if isinstance(layer.module, nn.Conv2d):
+        module = layer.module
+        x = x if x.dim() == 4 else x.unsqueeze(0)
+        padding = module.padding
+        if module.padding_mode != "zeros" or isinstance(padding, str):
+            mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+            x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
+            padding = (0, 0)
+        rows = x.shape[0] * _conv_positions(module, x.shape[-2:], padding)
+        h = conv2d_patch_sum_squares(
+            x, module.kernel_size, module.stride, padding, module.dilation, module.groups
+        )
+    else:
+        rows = x.numel() // max(x.shape[-1], 1)
+        h = col_sum_squares(x, -1)
+    h = h.to(dtype)
+    if layer.bias is not None:
+        h = torch.cat([h, h.new_full((1,), float(rows))])
+    return h.mul_(1.0 / max(rows, 1))
+
+
+def _conv_positions(module: nn.Conv2d, size, padding) -> int:
+    out = 1
+    dims = zip(size, module.kernel_size, module.stride, padding, module.dilation, strict=True)
+    for n, k, s, p, d in dims:
+        out *= max((n + 2 * p - d * (k - 1) - 1) // s + 1, 0)
+    return out
+
+
+def grad_output_sum_squares(
+    layer: Layer, grad: Tensor, loss_average: str | None, dtype: torch.dtype
+) -> Tensor:
+    """diag(gᵀg) of :func:`grad_output_matrix`, in one pass over the output gradient."""
+    from ..ops import col_sum_squares
+
+    grad = grad.detach()
+    if isinstance(layer.module, nn.Conv2d):
+        if grad.dim() == 3:
+            grad = grad.unsqueeze(0)
+        num_terms = grad.shape[0] * (
+            grad.shape[2:].numel() if loss_average == "batch+sequence" else 1
+        )
+        s = col_sum_squares(grad, 1)
+    else:
+        leading = grad.shape[:-1]
+        if loss_average == "batch+sequence":
+            num_terms = leading.numel()
+        else:
+            num_terms = leading[0] if len(leading) else 1
+        s = col_sum_squares(grad, -1)
+    s = s.to(dtype)
+    return s if loss_average is None else s.mul_(float(num_terms))
+
+
 def gradient_matrix(layer: Layer, dtype: torch.dtype) -> Tensor:
     """G: (d_C, d_K) in ``dtype``, the weight gradient with the bias gradient appended."""
     G = layer.weight.grad.detach().reshape(layer.dim_out, -1).to(dtype)

@@ -19,12 +19,71 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .. import ops
 from ..curvature.layers import Layer, split_matrix
 from ..distributed.synchronizer import DEFAULT_BUCKET_CAP_MB
+from ..structures.base import accumulation_dtype
 from .base import KroneckerOptimizer, LayerRule, checked_fallback, scheduled, validate_common
 from .epilogue import adam_style_update_
 
 ADAFISHER = "adafisher"
+
+
+def _as_matrix(tensor: Tensor, rows: int) -> Tensor | None:
+    """``tensor`` viewed as (rows, -1) sharing its storage, or None when it cannot be."""
+    try:
+        return tensor.view(rows, -1)
+    except RuntimeError:
+        return None
+
+
+class DiagonalBatch:
+    """The lists of one :func:`singd_cuda.ops.diag_precond_step_` call: each layer's
+    weight as a (d_C, n) view and its bias as a (d_C, 1) view, with the row scales (d_C)
+    and the matching slice of the column scales (d_K = n [+ 1])."""
+
+    def __init__(self) -> None:
+        self.params: list[Tensor] = []
+        self.grads: list[Tensor] = []
+        self.bufs: list[Tensor] = []
+        self.rows: list[Tensor] = []
+        self.cols: list[Tensor] = []
+
+    def add(
+        self, layer: Layer, states: list[dict], row: Tensor, col: Tensor, buf_key: str | None
+    ) -> bool:
+        """Queue the layer's parameters that have a gradient, with their buffers
+        ``state[buf_key]`` (created as zeros in the parameter's dtype; none when
+        ``buf_key`` is None); False (nothing queued) when a parameter, gradient or buffer
+        cannot be viewed as a matrix."""
+        d_out = layer.dim_out
+        entries = []
+        start = 0
+        for param, state in zip(layer.params, states, strict=True):
+            width = param.numel() // max(d_out, 1)
+            cols = col[start : start + width]
+            start += width
+            if param.grad is None:
+                continue  # e.g. a bias frozen after construction: leave it alone
+            if buf_key is not None and buf_key not in state:
+                state[buf_key] = torch.zeros_like(param)
+            views = [_as_matrix(param, d_out), _as_matrix(param.grad, d_out)]
+            if buf_key is not None:
+                views.append(_as_matrix(state[buf_key], d_out))
+            if any(v is None for v in views):
+                return False
+            entries.append((views, cols))
+        for views, cols in entries:
+            self.params.append(views[0])
+            self.grads.append(views[1])
+            if len(views) > 2:
+                self.bufs.append(views[2])
+            self.rows.append(row)
+            self.cols.append(cols)
+        return True
+
+    def lists(self) -> tuple[list[Tensor], ...]:
+        return self.params, self.grads, self.bufs, self.rows, self.cols
 
 
 def min_max_normalise(v: Tensor) -> Tensor:
@@ -45,7 +104,14 @@ class AdaFisherRule(LayerRule):
 
     def accumulate(self, layer, group, state, pending, a: Tensor, g: Tensor) -> None:
         """Column sums of a² and g² (a carries 1/√N, so these are means)."""
-        h_new, s_new = a.square().sum(0), g.square().sum(0)
+        h_new = ops.col_sum_squares(a, -1).to(a.dtype)
+        s_new = ops.col_sum_squares(g, -1).to(g.dtype)
+        self.accumulate_diagonal(layer, group, state, pending, h_new, s_new)
+
+    def diagonal_statistics(self, group: dict) -> bool:
+        return True
+
+    def accumulate_diagonal(self, layer, group, state, pending, h_new, s_new) -> None:
         if "in" in pending:
             pending["in"].add_(h_new)
             pending["out"].add_(s_new)
@@ -60,6 +126,35 @@ class AdaFisherRule(LayerRule):
         for key, new in (("h", pending["in"]), ("s", pending["out"])):
             ema = state[key].to(new.dtype).mul_(decay).add_(new, alpha=1.0 - decay)
             state[key].copy_(ema)
+
+    def fuses_apply(self, group: dict) -> bool:
+        return True
+
+    def apply_many(self, layers, group, states, inv_scale, step: int, seed: int):
+        """:func:`singd_cuda.ops.diag_precond_step_` (mode "adafisher") over every layer:
+        F̃ = s′ ⊗ h′ + λ is formed on the fly, never materialised."""
+        batch = DiagonalBatch()
+        left = []
+        for layer, layer_states in zip(layers, states, strict=True):
+            acc = accumulation_dtype(layer.weight.dtype)
+            h = min_max_normalise(layer_states[0]["h"].to(acc))
+            s = min_max_normalise(layer_states[0]["s"].to(acc))
+            if not batch.add(layer, layer_states, s, h, "exp_avg"):
+                left.append(layer)
+        ops.diag_precond_step_(
+            *batch.lists(),
+            mode="adafisher",
+            lr=group["lr"],
+            momentum=group["momentum"],
+            damping=scheduled(group["damping"], step),
+            weight_decay=group["weight_decay"],
+            decoupled=group["decoupled_weight_decay"],
+            step=step + 1,
+            inv_scale=inv_scale,
+            stochastic_rounding=group["stochastic_rounding"],
+            seed=seed,
+        )
+        return left
 
     def apply(self, layer, group, states, G: Tensor, step: int, generator) -> None:
         h = min_max_normalise(states[0]["h"].to(G.dtype))

@@ -36,8 +36,10 @@ from ..curvature.layers import (
     Layer,
     bypassed_modules,
     grad_output_matrix,
+    grad_output_sum_squares,
     gradient_matrix,
     input_matrix,
+    input_sum_squares,
 )
 from ..distributed import comm as dist_comm
 from ..distributed import norm_fisher, recipe
@@ -96,6 +98,38 @@ class LayerRule(ABC):
 
     # Hooks for distributed training (singd_cuda.distributed); the defaults suit rules
     # whose statistics never read the layer state.
+    # Fused diagonal paths (singd_cuda.ops): rules whose statistics are column sums of
+    # squares and whose update is elementwise override these.
+    def diagonal_statistics(self, group: dict) -> bool:
+        """True when the layer statistics are diag(aᵀa) and diag(gᵀg) only, so that
+        :meth:`accumulate_diagonal` can take them without materialising a and g."""
+        return False
+
+    def accumulate_diagonal(
+        self, layer: Layer, group: dict, state: dict, pending: dict, h: Tensor, s: Tensor
+    ) -> None:
+        """Like :meth:`accumulate`, from h = diag(aᵀa) (d_K) and s = diag(gᵀg) (d_C)."""
+        raise NotImplementedError
+
+    def fuses_apply(self, group: dict) -> bool:
+        """True when :meth:`apply_many` updates the group's layers (in one fused pass)."""
+        return False
+
+    def apply_many(
+        self,
+        layers: list[Layer],
+        group: dict,
+        states: list[list[dict]],
+        inv_scale: Tensor | None,
+        step: int,
+        seed: int,
+    ) -> list[Layer]:
+        """Precondition and update every layer of ``layers`` (gradients still scaled by
+        1/``inv_scale``) in one pass; ``seed`` seeds stochastic rounding. Returns the
+        layers it could not take (e.g. non-viewable parameters), which :meth:`apply`
+        then updates one by one."""
+        return list(layers)
+
     def factor_structures(self, group: dict) -> tuple[str, str]:
         """(K side, C side) structure names of the layer's factors, for the cost model."""
         return ("dense", "dense")
@@ -334,20 +368,33 @@ class KroneckerOptimizer(Optimizer):
             )
             pending["out"] = pending["out"].add_(F) if "out" in pending else F
             return
+        rule = self.rule_for(group)
+        if (
+            with_input
+            and rule.diagonal_statistics(group)
+            and not (self._sync is not None and self._sync.distribute_factors)
+        ):
+            h = input_sum_squares(layer, layer_input, dtype)
+            s = grad_output_sum_squares(layer, grad_output, group["loss_average"], dtype)
+            rule.accumulate_diagonal(layer, group, self._layer_state(layer, group), pending, h, s)
+            return
         a = input_matrix(layer, layer_input, dtype) if with_input else None
         g = grad_output_matrix(layer, grad_output, group["loss_average"], dtype)
         self._accumulate(layer, group, pending, a, g)
+
+    def _layer_state(self, layer: Layer, group: dict) -> dict:
+        state = self.state[layer.weight]
+        if not state:
+            self.rule_for(group).init_state(layer, group, state)
+            self._created.append(layer.weight)  # a skipped step removes it again
+        return state
 
     def _accumulate(self, layer: Layer, group: dict, pending: dict, a, g) -> None:
         rule = self.rule_for(group)
         if self._sync is not None and self._sync.distribute_factors:
             rule.accumulate_shared(layer, group, pending, a, g)  # no state off the owner
             return
-        state = self.state[layer.weight]
-        if not state:
-            rule.init_state(layer, group, state)
-            self._created.append(layer.weight)  # a skipped step removes it again
-        rule.accumulate(layer, group, state, pending, a, g)
+        rule.accumulate(layer, group, self._layer_state(layer, group), pending, a, g)
 
     def _empty_statistics(self, layer: Layer) -> dict:
         """Zero statistics of ``layer`` in the layout its captured ones have (for a rank
@@ -429,9 +476,11 @@ class KroneckerOptimizer(Optimizer):
             self._normalise_statistics(stats_scale)
         for group in self.param_groups:
             recipe.momentum_from_ratio(group)
+        fused: dict[int, list[Layer]] = {}
         for layer in self._layers:
             if self._sync is None or self._sync.owns(layer):
-                self._layer_step(layer, grad_scale)
+                self._layer_step(layer, grad_scale, fused)
+        self._fused_apply(fused, grad_scale)
         if self._sync is not None:
             self._sync.share_parameters()
         self._norm_step(grad_scale)
@@ -468,7 +517,11 @@ class KroneckerOptimizer(Optimizer):
             self._pending, stat_layers, self._empty_statistics, params, grad_scale, found_inf
         )
 
-    def _layer_step(self, layer: Layer, grad_scale: Tensor | None) -> None:
+    def _layer_step(
+        self, layer: Layer, grad_scale: Tensor | None, fused: dict[int, list[Layer]]
+    ) -> None:
+        """Update the layer's factors; update its parameters now, or queue it in ``fused``
+        (by group index) when its rule updates many layers in one pass."""
         if layer.weight.grad is None:
             return  # unused in this step
         group = self.group_of(layer)
@@ -481,6 +534,14 @@ class KroneckerOptimizer(Optimizer):
             if self._sync is not None and self._sync.distribute_factors:
                 rule.finish_shared(layer, group, state, pending)
             rule.update_factors(layer, group, state, pending, group["step"])
+        if rule.fuses_apply(group):
+            fused.setdefault(self._layer_group[layer], []).append(layer)
+            return
+        self._apply(layer, grad_scale)
+
+    def _apply(self, layer: Layer, grad_scale: Tensor | None) -> None:
+        group = self.group_of(layer)
+        rule = self.rule_for(group)
         G = gradient_matrix(layer, accumulation_dtype(layer.weight.dtype))
         if grad_scale is not None:
             G = G / grad_scale.to(G.device, G.dtype)
@@ -488,6 +549,26 @@ class KroneckerOptimizer(Optimizer):
         rule.apply(layer, group, states, G, group["step"], self._generator(group, layer.weight))
         if group["weight_rescale"]:
             recipe.rescale_weight_(layer.weight)
+
+    def _fused_apply(self, fused: dict[int, list[Layer]], grad_scale: Tensor | None) -> None:
+        """One fused pass per parameter group over the queued layers (diagonal paths)."""
+        inv_scale = None
+        for index, layers in fused.items():
+            group = self.param_groups[index]
+            if grad_scale is not None and inv_scale is None:
+                inv_scale = grad_scale.to(layers[0].weight.device, torch.float32).reciprocal()
+            states = [[self.state[p] for p in layer.params] for layer in layers]
+            # stochastic rounding: a pure function of (step, group), and of the position
+            # of the tensor in the pass, so it replays after a checkpoint
+            seed = group["step"] * 1_000_003 + self._param_index[id(layers[0].weight)]
+            rule = self.rule_for(group)
+            left = rule.apply_many(layers, group, states, inv_scale, group["step"], seed)
+            for layer in left:
+                self._apply(layer, grad_scale)
+            if group["weight_rescale"]:
+                for layer in layers:
+                    if layer not in left:
+                        recipe.rescale_weight_(layer.weight)
 
     def _generator(self, group: dict, param: Tensor) -> torch.Generator | None:
         """Seeded per (step, parameter) so stochastic rounding replays after a checkpoint

@@ -13,12 +13,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .. import ops
 from .. import structures as structure_registry
 from ..curvature.layers import Layer, split_matrix
 from ..distributed.statistics import congruence, shared_statistic
 from ..distributed.synchronizer import DEFAULT_BUCKET_CAP_MB
-from ..structures.base import StructuredMatrix, accumulation_dtype
-from .adafisher import ADAFISHER, AdaFisherRule
+from ..structures.base import StructuredMatrix, accumulation_dtype, upcast
+from ..structures.diagonal import Diagonal
+from .adafisher import ADAFISHER, AdaFisherRule, DiagonalBatch
 from .base import (
     KroneckerOptimizer,
     LayerRule,
@@ -90,6 +92,78 @@ class SingdRule(LayerRule):
     def factor_structures(self, group: dict) -> tuple[str, str]:
         return group["structures"]
 
+    # ------------------------------------------- fused path: diagonal on both sides
+    @staticmethod
+    def _diagonal(group: dict) -> bool:
+        return tuple(group["structures"]) == (Diagonal.name, Diagonal.name)
+
+    def diagonal_statistics(self, group: dict) -> bool:
+        return self._diagonal(group)
+
+    def accumulate_diagonal(self, layer, group, state, pending, h: Tensor, s: Tensor) -> None:
+        """H_K = k² ⊙ diag(aᵀa), H_C = c² ⊙ diag(gᵀg): Π̂(Kᵀ aᵀa K) for diagonal K."""
+        H_K = Diagonal(layer.dim_in, diag=h.mul_(upcast(state["K"]["diag"], h.dtype).square()))
+        H_C = Diagonal(layer.dim_out, diag=s.mul_(upcast(state["C"]["diag"], s.dtype).square()))
+        if "in" in pending:
+            pending["in"].add_(H_K)
+            pending["out"].add_(H_C)
+        else:
+            pending["in"], pending["out"] = H_K, H_C
+
+    def fuses_apply(self, group: dict) -> bool:
+        return self._diagonal(group)
+
+    def apply_many(self, layers, group, states, inv_scale, step: int, seed: int):
+        """:func:`singd_cuda.ops.diag_precond_step_` (mode "singd") over every layer:
+        Ĝ = c² ⊙ G ⊙ k² and momentum SGD, in one pass over W, G and the buffers."""
+        momentum = group["momentum"]
+        batch = DiagonalBatch()
+        left = []
+        for layer, layer_states in zip(layers, states, strict=True):
+            state = layer_states[0]
+            c2 = upcast(state["C"]["diag"]).square()
+            k2 = upcast(state["K"]["diag"]).square()
+            buf_key = "momentum_buffer" if momentum != 0.0 else None
+            if not batch.add(layer, layer_states, c2, k2, buf_key):
+                left.append(layer)
+        ops.diag_precond_step_(
+            *batch.lists(),
+            mode="singd",
+            lr=group["lr"],
+            momentum=momentum,
+            weight_decay=group["weight_decay"],
+            inv_scale=inv_scale,
+            stochastic_rounding=group["stochastic_rounding"],
+            seed=seed,
+        )
+        return left
+
+    def _update_diagonal_factors(self, state, pending, group: dict, step: int) -> None:
+        """The diagonal factor update of both sides in one :func:`diag_factor_update_`."""
+        k, c = state["K"]["diag"], state["C"]["diag"]
+        acc = torch.float64 if k.dtype == torch.float64 else torch.float32
+        h_K = pending["in"].parts["diag"].to(acc)
+        h_C = pending["out"].parts["diag"].to(acc)
+        if group["kfac_like"]:
+            alpha1, a, b = 0.0, (), ()
+        else:
+            alpha1 = group["alpha1"]
+            a = (h_C.mean().reshape(1), h_K.mean().reshape(1))  # tr̄(H) of the other side
+            b = (  # tr̄(Π̂(otherᵀ other)), rounded like project_inner's storage
+                upcast(c).square().to(c.dtype).to(acc).mean().reshape(1),
+                upcast(k).square().to(k.dtype).to(acc).mean().reshape(1),
+            )
+        ops.diag_factor_update_(
+            [k, c],
+            [state["m_K"]["diag"], state["m_C"]["diag"]],
+            [h_K, h_C],
+            a,
+            b,
+            alpha1=alpha1,
+            beta1=scheduled(group["lr_cov"], step),
+            damping=scheduled(group["damping"], step),
+        )
+
     def accumulate_shared(self, layer, group, pending, a: Tensor, g: Tensor) -> None:
         """K-free statistics Π̂(aᵀa), Π̂(gᵀg) (dense Gram for structures that need it);
         H_K = Π̂(Kᵀ aᵀa K) is linear in aᵀa, so the owner applies K after averaging."""
@@ -107,6 +181,9 @@ class SingdRule(LayerRule):
         pending["out"] = congruence(f["C"], pending["out"])
 
     def update_factors(self, layer, group, state, pending, step: int) -> None:
+        if self._diagonal(group) and not group["normalize_lr_cov"]:
+            self._update_diagonal_factors(state, pending, group, step)
+            return
         f = self._factors(layer, group, state)
         K, C, H_K, H_C = f["K"], f["C"], pending["in"], pending["out"]
         dtype = accumulation_dtype(K.dtype, C.dtype, H_K.dtype)
