@@ -37,6 +37,27 @@ def _as_matrix(tensor: Tensor, rows: int) -> Tensor | None:
         return None
 
 
+class DerivedCache:
+    """Vectors derived from a layer's factors (c², k²; AdaFisher's s′, h′), kept between
+    factor updates so that a step without one allocates nothing. An entry is valid while
+    the factor tensors are the same objects (a loaded checkpoint brings new ones) and
+    until :meth:`forget` (called by every factor update of the layer)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[tuple[Tensor, ...], tuple[Tensor, ...]]] = {}
+
+    def get(self, layer: Layer, sources: tuple[Tensor, ...], derive) -> tuple[Tensor, ...]:
+        entry = self._entries.get(id(layer))
+        if entry is not None and all(a is b for a, b in zip(entry[0], sources, strict=True)):
+            return entry[1]
+        values = derive(*sources)
+        self._entries[id(layer)] = (sources, values)
+        return values
+
+    def forget(self, layer: Layer) -> None:
+        self._entries.pop(id(layer), None)
+
+
 class DiagonalBatch:
     """The lists of one :func:`singd_cuda.ops.diag_precond_step_` call: each layer's
     weight as a (d_C, n) view and its bias as a (d_C, 1) view, with the row scales (d_C)
@@ -96,6 +117,9 @@ def min_max_normalise(v: Tensor) -> Tensor:
 class AdaFisherRule(LayerRule):
     """AdaFisher's diagonal statistics, EMA and Adam-style preconditioned update."""
 
+    def __init__(self) -> None:
+        self._normalised = DerivedCache()  # (s′, h′) between factor updates
+
     def init_state(self, layer: Layer, group: dict, state: dict) -> None:
         dtype = group["factor_dtype"] or layer.weight.dtype
         device = layer.weight.device
@@ -122,6 +146,7 @@ class AdaFisherRule(LayerRule):
         return (ADAFISHER, ADAFISHER)
 
     def update_factors(self, layer, group, state, pending, step: int) -> None:
+        self._normalised.forget(layer)
         decay = group["ema_decay"]
         for key, new in (("h", pending["in"]), ("s", pending["out"])):
             ema = state[key].to(new.dtype).mul_(decay).add_(new, alpha=1.0 - decay)
@@ -137,8 +162,11 @@ class AdaFisherRule(LayerRule):
         left = []
         for layer, layer_states in zip(layers, states, strict=True):
             acc = accumulation_dtype(layer.weight.dtype)
-            h = min_max_normalise(layer_states[0]["h"].to(acc))
-            s = min_max_normalise(layer_states[0]["s"].to(acc))
+            s, h = self._normalised.get(
+                layer,
+                (layer_states[0]["s"], layer_states[0]["h"]),
+                lambda s, h, acc=acc: (min_max_normalise(s.to(acc)), min_max_normalise(h.to(acc))),
+            )
             if not batch.add(layer, layer_states, s, h, "exp_avg"):
                 left.append(layer)
         ops.diag_precond_step_(

@@ -437,7 +437,30 @@ class KroneckerOptimizer(Optimizer):
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         if not grads:
             return True
-        return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+        groups: dict[tuple, list[Tensor]] = {}
+        for g in grads:
+            groups.setdefault((g.device, g.dtype, g.is_sparse), []).append(g)
+        found_on: dict[torch.device, Tensor] = {}
+        for (device, _, sparse), tensors in groups.items():
+            if sparse:
+                if not all(bool(torch.isfinite(g.coalesce().values()).all()) for g in tensors):
+                    return False
+                continue
+            if device not in found_on:
+                found_on[device] = self._found_buffer(device)
+            # one fused pass, no gradient-sized temporaries (multiplies by exactly 1)
+            found, one = found_on[device]
+            torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, one)
+        return not any(bool(found) for found, _ in found_on.values())
+
+    def _found_buffer(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """Reused (found_inf, 1.0) pair of :meth:`_grads_finite` (no allocation per step)."""
+        buffers = self.__dict__.setdefault("_finite_buffers", {})
+        if device not in buffers:
+            buffers[device] = (torch.zeros(1, device=device), torch.ones(1, device=device))
+        found, one = buffers[device]
+        found.zero_()
+        return found, one
 
     def _skip(self, reason: str) -> None:
         """Drop this step's statistics (and any state they created); change nothing else."""

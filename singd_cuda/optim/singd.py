@@ -20,7 +20,7 @@ from ..distributed.statistics import congruence, shared_statistic
 from ..distributed.synchronizer import DEFAULT_BUCKET_CAP_MB
 from ..structures.base import StructuredMatrix, accumulation_dtype, upcast
 from ..structures.diagonal import Diagonal
-from .adafisher import ADAFISHER, AdaFisherRule, DiagonalBatch
+from .adafisher import ADAFISHER, AdaFisherRule, DerivedCache, DiagonalBatch
 from .base import (
     KroneckerOptimizer,
     LayerRule,
@@ -54,6 +54,9 @@ def resolve_structures(spec: Any) -> tuple[str, str]:
 
 class SingdRule(LayerRule):
     """SINGD's factor update and preconditioning for one layer (DESIGN.md section 2)."""
+
+    def __init__(self) -> None:
+        self._squares = DerivedCache()  # diagonal path: (c², k²) between factor updates
 
     def _classes(self, group: dict) -> tuple[type[StructuredMatrix], type[StructuredMatrix]]:
         K_spec, C_spec = group["structures"]
@@ -121,8 +124,11 @@ class SingdRule(LayerRule):
         left = []
         for layer, layer_states in zip(layers, states, strict=True):
             state = layer_states[0]
-            c2 = upcast(state["C"]["diag"]).square()
-            k2 = upcast(state["K"]["diag"]).square()
+            c2, k2 = self._squares.get(
+                layer,
+                (state["C"]["diag"], state["K"]["diag"]),
+                lambda c, k: (upcast(c).square(), upcast(k).square()),
+            )
             buf_key = "momentum_buffer" if momentum != 0.0 else None
             if not batch.add(layer, layer_states, c2, k2, buf_key):
                 left.append(layer)
@@ -181,6 +187,7 @@ class SingdRule(LayerRule):
         pending["out"] = congruence(f["C"], pending["out"])
 
     def update_factors(self, layer, group, state, pending, step: int) -> None:
+        self._squares.forget(layer)
         if self._diagonal(group) and not group["normalize_lr_cov"]:
             self._update_diagonal_factors(state, pending, group, step)
             return
