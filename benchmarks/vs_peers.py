@@ -1,0 +1,394 @@
+"""CPU step time, optimizer state and allocations of singd_cuda against its peers.
+
+Competitors, for each structure: ours with the fused ops, ours on the pure-PyTorch reference
+path (``SINGD_CUDA_FUSED=0``, switched per call), PyPI ``singd`` 0.0.5 (structures it
+has), and the baselines torch AdamW (foreach) and AdamW (fused). Models: an MLP (3 x Linear
+512, batch 128) and a small CNN (two 3x3 convs, 32 channels, 16x16 images, batch 64).
+
+Within one block (model, dtype, T) every competitor has its own copy of the model (same
+initial weights, same batches) and the timed steps (zero_grad, forward, backward,
+optimizer.step) run round-robin over all competitors, so a burst of load from other
+processes hits them alike; the table shows the median over the timed steps and the ratio
+to the baselines of the same block. Allocations are those of one steady-state
+``optimizer.step()`` (torch.profiler, profile_memory=True): a step that updates no
+factors when T > 1, else an update step. State bytes: every tensor the optimizer holds.
+
+    python benchmarks/vs_peers.py --out benchmarks/results/vs_peers.md
+    python benchmarks/vs_peers.py --quick  # a small grid, a few steps
+    python benchmarks/vs_peers.py --models mlp --structures diagonal adafisher --T 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import datetime
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# this checkout, not whichever singd_cuda happens to be installed
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+STRUCTURES = ["dense", "diagonal", "block_diagonal", "hierarchical", "tril_toeplitz", "adafisher"]
+OURS_SPEC = {
+    "dense": "dense",
+    "diagonal": "diagonal",
+    "block_diagonal": "block_diagonal:30",
+    "hierarchical": "hierarchical:15,15",
+    "tril_toeplitz": "tril_toeplitz",
+    "adafisher": "adafisher",
+}
+PEER_SPEC = {  # PyPI singd 0.0.5 names; it has no AdaFisher
+    "dense": "dense",
+    "diagonal": "diagonal",
+    "block_diagonal": "block30diagonal",
+    "hierarchical": "hierarchical15_15",
+    "tril_toeplitz": "triltoeplitz",
+}
+DTYPES = {"float32": None, "bf16-autocast": torch.bfloat16}
+TARGET_VS_PEER = 0.5  # ours / singd 0.0.5 at T = 10, every shared structure
+TARGET_TOEPLITZ_VS_PEER = 0.05
+TARGET_VS_ADAMW = 1.0  # ours diagonal / adafisher step vs AdamW (foreach)
+
+
+def make_model(kind: str, seed: int = 0) -> tuple[nn.Module, Callable[[int], tuple]]:
+    torch.manual_seed(seed)
+    if kind == "mlp":
+        model = nn.Sequential(
+            nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512)
+        )
+        shape, batch, classes = (512,), 128, 512
+    else:
+        model = nn.Sequential(
+            nn.Conv2d(3, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(32, 32, 3, padding=1, stride=2),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(32 * 8 * 8, 10),
+        )
+        shape, batch, classes = (3, 16, 16), 64, 10
+    gen = torch.Generator().manual_seed(seed + 1)
+    data = [
+        (
+            torch.randn(batch, *shape, generator=gen),
+            torch.randint(0, classes, (batch,), generator=gen),
+        )
+        for _ in range(8)
+    ]
+    return model, lambda t: data[t % len(data)]
+
+
+@contextlib.contextmanager
+def fused_env(fused: bool | None):
+    """SINGD_CUDA_FUSED for the duration (None: leave it)."""
+    if fused is None:
+        yield
+        return
+    old = os.environ.get("SINGD_CUDA_FUSED")
+    os.environ["SINGD_CUDA_FUSED"] = "1" if fused else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("SINGD_CUDA_FUSED")
+        else:
+            os.environ["SINGD_CUDA_FUSED"] = old
+
+
+@dataclass
+class Runner:
+    name: str
+    structure: str
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    fused: bool | None
+    batches: Callable[[int], tuple]
+    autocast: torch.dtype | None
+    t: int = 0
+    times: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    def forward_backward(self) -> None:
+        x, y = self.batches(self.t)
+        self.opt.zero_grad(set_to_none=False)
+        with torch.autocast(
+            "cpu", dtype=self.autocast or torch.bfloat16, enabled=bool(self.autocast)
+        ):
+            out = self.model(x)
+        F.cross_entropy(out.float(), y).backward()
+
+    def step(self, timed: bool) -> None:
+        if self.error:
+            return
+        try:
+            with fused_env(self.fused):
+                start = time.perf_counter()
+                self.forward_backward()
+                self.opt.step()
+                elapsed = time.perf_counter() - start
+        except Exception as error:  # a peer that cannot run this case
+            self.error = f"{type(error).__name__}: {str(error).splitlines()[0][:80]}"
+            return
+        self.t += 1
+        if timed:
+            self.times.append(elapsed)
+
+    def allocations(self, period: int) -> tuple[int, int]:
+        """(ops that allocate, bytes allocated) in one steady-state optimizer.step()."""
+        if self.error:
+            return (-1, -1)
+        with fused_env(self.fused):
+            while period > 1 and self.t % period == 0:  # land on a step without factor update
+                self.step(timed=False)
+            self.forward_backward()
+            with torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+            ) as prof:
+                self.opt.step()
+            self.t += 1
+        count = size = 0
+        for event in prof.events():  # ops that allocate themselves (not via a child op)
+            if event.self_cpu_memory_usage > 0:
+                count += 1
+                size += event.self_cpu_memory_usage
+        return count, size
+
+
+def state_bytes(opt: torch.optim.Optimizer) -> int:
+    seen: set[int] = set()
+
+    def walk(value) -> int:
+        if isinstance(value, torch.Tensor):
+            key = value.untyped_storage().data_ptr()
+            if key in seen:
+                return 0
+            seen.add(key)
+            return value.untyped_storage().nbytes()
+        if isinstance(value, dict):
+            return sum(walk(v) for v in value.values())
+        if isinstance(value, list | tuple):
+            return sum(walk(v) for v in value)
+        if hasattr(value, "__dict__") and not isinstance(value, nn.Module | type):
+            return sum(walk(v) for v in vars(value).values())
+        return 0
+
+    total = walk(dict(opt.state))
+    for name in ("Ks", "Cs", "m_Ks", "m_Cs"):  # PyPI singd keeps its factors here
+        total += walk(getattr(opt, name, {}))
+    return total
+
+
+def build_runners(kind: str, structures: list[str], T: int, autocast, competitors: list[str]):
+    from singd_cuda import SINGD
+
+    base, batches = make_model(kind)
+    runners: list[Runner] = []
+
+    def add(name, structure, make_opt, fused=None):
+        model = copy.deepcopy(base)
+        try:
+            opt = make_opt(model)
+        except Exception as error:
+            r = Runner(name, structure, model, None, fused, batches, autocast)  # type: ignore[arg-type]
+            r.error = f"{type(error).__name__}: {str(error).splitlines()[0][:80]}"
+            runners.append(r)
+            return
+        runners.append(Runner(name, structure, model, opt, fused, batches, autocast))
+
+    hyper = dict(lr=1e-3, momentum=0.9, damping=1e-3, T=T)
+    for s in structures:
+        for fused, label in ((True, "ours"), (False, "ours-ref")):
+            if label in competitors:
+                if s == "adafisher":
+                    make = lambda m: SINGD(m, structures="adafisher", **hyper)  # noqa: E731
+                else:
+                    make = lambda m, s=s: SINGD(m, structures=OURS_SPEC[s], lr_cov=1e-2, **hyper)  # noqa: E731
+                add(label, s, make, fused)
+        if "singd" in competitors and s in PEER_SPEC:
+            from singd.optim.optimizer import SINGD as PEER_SINGD
+
+            spec = PEER_SPEC[s]
+            add(
+                "singd-0.0.5",
+                s,
+                lambda m, spec=spec: PEER_SINGD(
+                    m, structures=(spec, spec), lr_cov=1e-2, warn_unsupported=False, **hyper
+                ),
+            )
+    if "adamw-foreach" in competitors:
+        add(
+            "adamw-foreach", "-", lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=True)
+        )
+    if "adamw-fused" in competitors:
+        add("adamw-fused", "-", lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True))
+    return runners
+
+
+def run_block(kind, dtype_name, T, structures, competitors, steps, warmup) -> list[dict]:
+    runners = build_runners(kind, structures, T, DTYPES[dtype_name], competitors)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(warmup + steps):
+            for r in runners:
+                r.step(timed=i >= warmup)
+        rows = []
+        for r in runners:
+            count, size = r.allocations(T)
+            rows.append(
+                dict(
+                    model=kind,
+                    dtype=dtype_name,
+                    T=T,
+                    structure=r.structure,
+                    name=r.name,
+                    median_ms=1e3 * statistics.median(r.times) if r.times else float("nan"),
+                    state_bytes=state_bytes(r.opt) if r.opt is not None else -1,
+                    alloc_count=count,
+                    alloc_bytes=size,
+                    error=r.error,
+                )
+            )
+    base = {row["name"]: row["median_ms"] for row in rows if row["structure"] == "-"}
+    peer = {row["structure"]: row["median_ms"] for row in rows if row["name"] == "singd-0.0.5"}
+    for row in rows:
+        row["vs_foreach"] = row["median_ms"] / base.get("adamw-foreach", float("nan"))
+        row["vs_fused"] = row["median_ms"] / base.get("adamw-fused", float("nan"))
+        row["vs_peer"] = row["median_ms"] / peer.get(row["structure"], float("nan"))
+    return rows
+
+
+def fmt(value: float, digits: int = 2) -> str:
+    return "-" if value != value else f"{value:.{digits}f}"
+
+
+def targets(rows: list[dict]) -> list[str]:
+    lines = []
+    for row in rows:
+        if row["name"] != "ours" or row["error"]:
+            continue
+        where = f"{row['model']} {row['dtype']} T={row['T']} {row['structure']}"
+        if row["T"] == 10 and row["structure"] in PEER_SPEC:
+            goal = (
+                TARGET_TOEPLITZ_VS_PEER if row["structure"] == "tril_toeplitz" else TARGET_VS_PEER
+            )
+            ok = row["vs_peer"] <= goal
+            verdict = "met" if ok else "MISSED"
+            lines.append(f"- {verdict}: ours/singd {fmt(row['vs_peer'])} <= {goal} ({where})")
+        if row["structure"] in ("diagonal", "adafisher"):
+            ok = row["vs_foreach"] <= TARGET_VS_ADAMW
+            verdict = "met" if ok else "MISSED"
+            ratio = fmt(row["vs_foreach"])
+            lines.append(f"- {verdict}: ours/AdamW-foreach {ratio} <= {TARGET_VS_ADAMW} ({where})")
+            ok = row["alloc_bytes"] == 0
+            verdict = "met" if ok else "MISSED"
+            lines.append(
+                f"- {verdict}: {row['alloc_bytes']} bytes in {row['alloc_count']} "
+                f"allocations per steady-state step == 0 ({where})"
+            )
+    return lines
+
+
+def report(rows: list[dict], args, elapsed: float) -> str:
+    lines = [
+        "# singd_cuda vs peers on the CPU",
+        "",
+        f"Command: `python {' '.join(shlex.quote(a) for a in sys.argv)}`",
+        "",
+        f"Date: {datetime.datetime.now().isoformat(timespec='minutes')}; "
+        f"machine: {platform.machine()}, "
+        f"{platform.processor() or platform.platform()}, {os.cpu_count()} cores, "
+        f"torch {torch.__version__} ({torch.get_num_threads()} threads); run took {elapsed:.0f} s; "
+        f"{args.steps} timed steps per competitor (after {args.warmup} warm-up), interleaved.",
+        "",
+        "Time: median ms of zero_grad + forward + backward + optimizer.step (statistics "
+        "included on update steps). Ratios against the baselines of the same block. "
+        "Alloc: ops that allocate (count) and bytes allocated in one steady-state "
+        "optimizer.step().",
+        "",
+        "| model | dtype | T | structure | optimizer | ms | / singd 0.0.5 | / AdamW foreach | "
+        "/ AdamW fused | state KiB | alloc n | alloc KiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        head = "| " + " | ".join(str(row[k]) for k in ("model", "dtype", "T", "structure", "name"))
+        head += " | "
+        if row["error"]:
+            lines.append(f"{head}error: {row['error']} | | | | | | |")
+            continue
+        lines.append(
+            f"{head}{fmt(row['median_ms'])} | {fmt(row['vs_peer'])} | {fmt(row['vs_foreach'])} | "
+            f"{fmt(row['vs_fused'])} | {row['state_bytes'] / 1024:.0f} | {row['alloc_count']} | "
+            f"{row['alloc_bytes'] / 1024:.1f} |"
+        )
+    lines += ["", "## Targets (issue 4, CPU)", "", *targets(rows)]
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["mlp", "cnn"], choices=["mlp", "cnn"])
+    parser.add_argument("--structures", nargs="+", default=STRUCTURES, choices=STRUCTURES)
+    parser.add_argument("--T", nargs="+", type=int, default=[1, 10], dest="periods")
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    parser.add_argument(
+        "--competitors",
+        nargs="+",
+        default=["ours", "ours-ref", "singd", "adamw-foreach", "adamw-fused"],
+        choices=["ours", "ours-ref", "singd", "adamw-foreach", "adamw-fused"],
+    )
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per competitor")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument("--quick", action="store_true", help="mlp, float32, T=10, few steps")
+    parser.add_argument("--out", type=Path, default=None, help="markdown file to write")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.models, args.dtypes, args.periods = ["mlp"], ["float32"], [10]
+        args.steps, args.warmup = min(args.steps, 5), min(args.warmup, 1)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from singd_cuda import ops
+
+    ops.fused_available("cpu")  # build / load before timing
+    start = time.perf_counter()
+    rows: list[dict] = []
+    for kind in args.models:
+        for dtype_name in args.dtypes:
+            for T in args.periods:
+                block = run_block(
+                    kind, dtype_name, T, args.structures, args.competitors, args.steps, args.warmup
+                )
+                rows += block
+                print(
+                    f"{kind} {dtype_name} T={T}: done ({time.perf_counter() - start:.0f} s)",
+                    flush=True,
+                )
+    text = report(rows, args, time.perf_counter() - start)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
