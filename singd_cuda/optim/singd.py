@@ -57,6 +57,7 @@ class SingdRule(LayerRule):
 
     def __init__(self) -> None:
         self._squares = DerivedCache()  # diagonal path: (c², k²) between factor updates
+        self._outer = DerivedCache()  # (C Cᵀ or None, K Kᵀ or None) between factor updates
 
     def _classes(self, group: dict) -> tuple[type[StructuredMatrix], type[StructuredMatrix]]:
         K_spec, C_spec = group["structures"]
@@ -188,6 +189,7 @@ class SingdRule(LayerRule):
 
     def update_factors(self, layer, group, state, pending, step: int) -> None:
         self._squares.forget(layer)
+        self._outer.forget(layer)
         if self._diagonal(group) and not group["normalize_lr_cov"]:
             self._update_diagonal_factors(state, pending, group, step)
             return
@@ -221,12 +223,33 @@ class SingdRule(LayerRule):
             factor = f[side]
             factor.add_(factor @ m, alpha=-beta1)
 
+    def _outer_products(self, layer, group, state, f, step: int):
+        """(C Cᵀ, K Kᵀ), each cached until the next factor update, or None for a side
+        whose family is not closed under transpose or where forming it costs more than
+        the T steps it would save: with w nonzeros per row, forming is d·w² and each
+        step saves one d·w·d_other product, so a side is cached when 2w <= T·d_other."""
+        period = scheduled(group["T"], step)
+
+        def derive(*_):
+            pair = []
+            for side, other_dim in (("C", layer.dim_in), ("K", layer.dim_out)):
+                factor = f[side]
+                worth = 2 * type(factor).row_width(factor.dim) <= period * other_dim
+                pair.append(
+                    factor.times_transpose() if worth and factor.closed_under_transpose else None
+                )
+            return tuple(pair)
+
+        sources = (*state["C"].values(), *state["K"].values())
+        return self._outer.get(layer, sources, derive)
+
     def apply(self, layer, group, states, G: Tensor, step: int, generator) -> None:
         """Ĝ = (C Cᵀ) G (K Kᵀ), then momentum SGD with weight decay on each parameter."""
         f = self._factors(layer, group, states[0])
         K, C = f["K"], f["C"]
-        natural = C.matmul(C.rmatmul(G))
-        natural = K.matmul(K.rmatmul(natural.T)).T
+        CCt, KKt = self._outer_products(layer, group, states[0], f, step)
+        natural = C.matmul(C.rmatmul(G)) if CCt is None else CCt.matmul(G)
+        natural = (K.matmul(K.rmatmul(natural.T)) if KKt is None else KKt.matmul(natural.T)).T
         for param, state, direction in zip(
             layer.params, states, split_matrix(layer, natural), strict=True
         ):

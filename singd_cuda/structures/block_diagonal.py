@@ -26,6 +26,7 @@ class BlockDiagonal(StructuredMatrix):
     parameters = ("block_size",)
     default_values = (32,)
     part_names = ("blocks", "last")
+    closed_under_transpose = True
     block_size: ClassVar[int]
 
     @classmethod
@@ -125,6 +126,17 @@ class BlockDiagonal(StructuredMatrix):
     def trace(self) -> Tensor:
         blocks, last = upcast(self.parts["blocks"]), upcast(self.parts["last"])
         return blocks.diagonal(dim1=1, dim2=2).sum() + last.diagonal().sum()
+
+    def times_transpose(self) -> BlockDiagonal:
+        """The blockwise K_k K_kᵀ."""
+        blocks, last = upcast(self.parts["blocks"]), upcast(self.parts["last"])
+        return type(self)(
+            self.dim, blocks=torch.bmm(blocks, blocks.transpose(1, 2)), last=last @ last.T
+        )
+
+    @classmethod
+    def row_width(cls, d: int) -> int:
+        return cls.layout(d)[1]
 
     def add_identity_(self, alpha: float = 1.0) -> BlockDiagonal:
         for part in self.parts.values():

@@ -13,6 +13,7 @@ class Dense(StructuredMatrix):
 
     name = "dense"
     part_names = ("mat",)
+    closed_under_transpose = True
 
     @classmethod
     def from_dense(cls, M: Tensor) -> Dense:
@@ -51,3 +52,7 @@ class Dense(StructuredMatrix):
 
     def trace(self) -> Tensor:
         return upcast(self.parts["mat"]).diagonal().sum()
+
+    def times_transpose(self) -> Dense:
+        mat = upcast(self.parts["mat"])
+        return type(self)(self.dim, mat=mat @ mat.T)

@@ -13,6 +13,7 @@ class Diagonal(StructuredMatrix):
 
     name = "diagonal"
     part_names = ("diag",)
+    closed_under_transpose = True
 
     @classmethod
     def from_dense(cls, M: Tensor) -> Diagonal:
@@ -54,6 +55,13 @@ class Diagonal(StructuredMatrix):
 
     def trace(self) -> Tensor:
         return upcast(self.parts["diag"]).sum()
+
+    def times_transpose(self) -> Diagonal:
+        return type(self)(self.dim, diag=upcast(self.parts["diag"]).square())
+
+    @classmethod
+    def row_width(cls, d: int) -> int:
+        return 1
 
     def add_identity_(self, alpha: float = 1.0) -> Diagonal:
         diag = self.parts["diag"]

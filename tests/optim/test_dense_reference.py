@@ -201,6 +201,8 @@ def assert_matches_reference(model, opt, weights, layers):
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
 @pytest.mark.parametrize("kind", ["mlp", "cnn"])
 def test_dense_singd_equals_float64_reference(kind, bias, T, kfac_like):
+    # T = 3 preconditions these sizes with the cached K Kᵀ and C Cᵀ, T = 1 mostly with
+    # two products per side (SingdRule._outer_products): both must match the reference
     model = MODELS[kind](bias=bias, dtype=torch.float64)
     batches = random_batches(kind, STEPS, dtype=torch.float64)
     hp = dict(HYPER, T=T, kfac_like=kfac_like)

@@ -119,6 +119,24 @@ class TestOperations:
             K.project_inner().to_dense(), reference_projection(S, Kd.T @ Kd), dtype
         )
 
+    def test_times_transpose(self, spec, d, dtype, gen):
+        """K Kᵀ exactly, in the accumulation dtype, for families closed under transpose;
+        a clear error for the others. ``row_width`` bounds the nonzeros of every row."""
+        S = get(spec)
+        K = random_member(S, d, dtype, gen)
+        Kd = K.to_dense().double()
+        assert int((Kd != 0).sum(1).max()) <= S.row_width(d)
+        if not S.closed_under_transpose:
+            with pytest.raises(NotImplementedError, match="not in its family"):
+                K.times_transpose()
+            return
+        P = K.times_transpose()
+        assert type(P) is type(K)
+        assert P.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+        # the product of the stored (rounded) entries, accumulated in float32: the
+        # float32 bound, not the storage dtype's
+        assert_close_normwise(P.to_dense(), Kd @ Kd.T, P.dtype)
+
     def test_in_place_arithmetic_and_scalars(self, spec, d, dtype, gen):
         S = get(spec)
         K, M = random_member(S, d, dtype, gen), random_member(S, d, dtype, gen)
