@@ -67,6 +67,13 @@ def _use_fused(tensors: Sequence[Tensor]) -> bool:
     return len(tensors) > 0 and _fused_for(tensors[0].device.type)
 
 
+def _bump_versions(*tensor_lists: Sequence[Tensor]) -> None:
+    """The kernels write through data pointers, unseen by autograd: bump the version
+    counters as an in-place aten op would, so that backward through a tensor saved before
+    the update raises instead of silently using the new values."""
+    torch.autograd.graph.increment_version([t for tensors in tensor_lists for t in tensors])
+
+
 def sgd_epilogue_(
     params: Sequence[Tensor],
     updates: Sequence[Tensor],
@@ -109,6 +116,7 @@ def sgd_epilogue_(
             stochastic_rounding,
             seed,
         )
+        _bump_versions(params, momentum_bufs)
     else:
         reference.sgd_epilogue_(
             params,
@@ -169,6 +177,7 @@ def adam_epilogue_(
             stochastic_rounding,
             seed,
         )
+        _bump_versions(params, exp_avgs)
     else:
         reference.adam_epilogue_(
             params,
@@ -249,6 +258,7 @@ def diag_precond_step_(
             stochastic_rounding,
             seed,
         )
+        _bump_versions(params, bufs)
     else:
         reference.diag_precond_step_(
             params,
@@ -300,6 +310,7 @@ def diag_factor_update_(
     """
     if _use_fused(k):
         torch.ops.singd_cuda.diag_factor_update_(k, m, h, a, b, alpha1, beta1, damping)
+        _bump_versions(k, m)
     else:
         reference.diag_factor_update_(k, m, h, a, b, alpha1=alpha1, beta1=beta1, damping=damping)
 

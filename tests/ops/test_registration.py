@@ -113,3 +113,40 @@ def test_env_switch_forces_the_reference(cpu_ops, monkeypatch):
 def test_wrappers_accept_empty_lists(cpu_ops):
     ops.sgd_epilogue_([], [], [], lr=0.1)
     ops.diag_factor_update_([], [], [], alpha1=0.5, beta1=0.1, damping=0.0)
+
+
+def _in_place_calls(params, grads, bufs, rows, cols):
+    """Every in-place wrapper, each with the tensors it writes."""
+    return {
+        "sgd_epilogue_": lambda: ops.sgd_epilogue_(params, grads, bufs, lr=0.1, momentum=0.9),
+        "adam_epilogue_": lambda: ops.adam_epilogue_(params, grads, bufs, lr=0.1, beta=0.9, step=1),
+        "diag_precond_step_": lambda: ops.diag_precond_step_(
+            params, grads, bufs, rows, cols, mode="singd", lr=0.1, momentum=0.9
+        ),
+    }
+
+
+@pytest.mark.parametrize("fused", ["1", "0"], ids=["fused", "reference"])
+@pytest.mark.parametrize("name", ["sgd_epilogue_", "adam_epilogue_", "diag_precond_step_"])
+def test_in_place_ops_bump_version_counters(cpu_ops, monkeypatch, fused, name):
+    """As for aten's in-place ops: backward through a value saved before the update raises."""
+    monkeypatch.setenv("SINGD_CUDA_FUSED", fused)
+    params, grads, bufs, rows, cols = _list_op_args()
+    leaf = params[0].requires_grad_()
+    loss = (leaf * leaf).sum()  # saves leaf for backward
+    before = [t._version for t in params + bufs]
+    with torch.no_grad():
+        _in_place_calls(params, grads, bufs, rows, cols)[name]()
+    assert all(t._version > v for t, v in zip(params + bufs, before, strict=True))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("fused", ["1", "0"], ids=["fused", "reference"])
+def test_factor_update_bumps_version_counters(cpu_ops, monkeypatch, fused):
+    monkeypatch.setenv("SINGD_CUDA_FUSED", fused)
+    params, _, bufs, rows, _ = _list_op_args()
+    k, m = [t[:, 0] for t in params], [t[:, 0] for t in bufs]
+    before = [t._version for t in k + m]
+    ops.diag_factor_update_(k, m, [r.clone() for r in rows], alpha1=0.5, beta1=0.1, damping=1e-3)
+    assert all(t._version > v for t, v in zip(k + m, before, strict=True))
