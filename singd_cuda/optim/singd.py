@@ -225,9 +225,9 @@ class SingdRule(LayerRule):
 
     def _outer_products(self, layer, group, state, f, step: int):
         """(C Cᵀ, K Kᵀ), each cached until the next factor update, or None for a side
-        whose family is not closed under transpose or where forming it costs more than
-        the T steps it would save: with w nonzeros per row, forming is d·w² and each
-        step saves one d·w·d_other product, so a side is cached when 2w <= T·d_other."""
+        whose structure has no cheap form of it or where forming it costs more than the
+        T steps it would save: with w nonzeros per row, forming is d·w² and each step
+        saves one d·w·d_other product, so a side is cached when 2w <= T·d_other."""
         period = scheduled(group["T"], step)
 
         def derive(*_):
@@ -236,7 +236,7 @@ class SingdRule(LayerRule):
                 factor = f[side]
                 worth = 2 * type(factor).row_width(factor.dim) <= period * other_dim
                 pair.append(
-                    factor.times_transpose() if worth and factor.closed_under_transpose else None
+                    factor.times_transpose() if worth and factor.has_times_transpose else None
                 )
             return tuple(pair)
 

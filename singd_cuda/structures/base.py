@@ -53,7 +53,7 @@ class StructuredMatrix(ABC):
     default_values: ClassVar[tuple[int, ...]] = ()
     part_names: ClassVar[tuple[str, ...]]
     family: ClassVar[type[StructuredMatrix] | None] = None
-    closed_under_transpose: ClassVar[bool] = False  # then K Kᵀ is in the family too
+    has_times_transpose: ClassVar[bool] = False  # K Kᵀ has a cheap form (times_transpose)
 
     def __init__(self, dim: int, **parts: Tensor) -> None:
         if set(parts) != set(self.part_names):
@@ -155,20 +155,21 @@ class StructuredMatrix(ABC):
     def trace(self) -> Tensor:
         """Scalar tensor: the trace, in the accumulation dtype."""
 
-    # ------------------------------------- optional: families closed under transpose
-    def times_transpose(self) -> StructuredMatrix:
-        """K Kᵀ, exactly, as a member of the family in the accumulation dtype (float32 for
-        half storage, so that a large K Kᵀ cannot overflow float16).
+    # ------------------------------------------------ optional: K Kᵀ in a cheap form
+    def times_transpose(self):
+        """K Kᵀ, exactly, as an object with ``matmul(X)`` (a member of the family for
+        families closed under transpose), in the accumulation dtype (float32 for half
+        storage, so that a large K Kᵀ cannot overflow float16).
 
-        Only for families with ``closed_under_transpose``; the optimizers cache it between
+        Only for structures with ``has_times_transpose``; the optimizers cache it between
         factor updates to precondition with one product per side instead of two.
         """
-        raise NotImplementedError(f"K Kᵀ of a {self.spec()} factor is not in its family")
+        raise NotImplementedError(f"K Kᵀ of a {self.spec()} factor has no cheap form")
 
     @classmethod
     def row_width(cls, d: int) -> int:
         """Nonzeros per row of a d x d member (dense by default), so that K @ X costs
-        d · row_width · cols and :meth:`times_transpose` d · row_width²."""
+        about d · row_width · cols and :meth:`times_transpose` d · row_width²."""
         return d
 
     # ------------------------------------------------------------ shared concrete

@@ -26,7 +26,7 @@ class BlockDiagonal(StructuredMatrix):
     parameters = ("block_size",)
     default_values = (32,)
     part_names = ("blocks", "last")
-    closed_under_transpose = True
+    has_times_transpose = True
     block_size: ClassVar[int]
 
     @classmethod

@@ -13,7 +13,7 @@ class Dense(StructuredMatrix):
 
     name = "dense"
     part_names = ("mat",)
-    closed_under_transpose = True
+    has_times_transpose = True
 
     @classmethod
     def from_dense(cls, M: Tensor) -> Dense:

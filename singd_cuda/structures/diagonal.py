@@ -13,7 +13,7 @@ class Diagonal(StructuredMatrix):
 
     name = "diagonal"
     part_names = ("diag",)
-    closed_under_transpose = True
+    has_times_transpose = True
 
     @classmethod
     def from_dense(cls, M: Tensor) -> Diagonal:

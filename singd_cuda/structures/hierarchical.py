@@ -37,6 +37,7 @@ class Hierarchical(StructuredMatrix):
     parameters = ("k1", "k2")
     default_values = (15, 15)
     part_names = ("A", "B", "c", "D", "E")
+    has_times_transpose = True
     k1: ClassVar[int]
     k2: ClassVar[int]
 
@@ -179,3 +180,46 @@ class Hierarchical(StructuredMatrix):
     def trace(self) -> Tensor:
         A, c, E = (upcast(self.parts[name]) for name in "AcE")
         return A.diagonal().sum() + c.sum() + E.diagonal().sum()
+
+    def times_transpose(self) -> SymmetricArrow:
+        """K Kᵀ: its border rows K_b Kᵀ (K_b the first k1 and last k2 rows of K) and c²."""
+        k1, m, _ = self.block_sizes(self.dim)
+        A, B, c, D, E = upcast_all(self.parts, self.dtype)
+        border = A.new_zeros(k1 + E.shape[0], self.dim)
+        border[:k1, :k1], border[:k1, k1:] = A, B
+        border[k1:, k1 : k1 + m], border[k1:, k1 + m :] = D, E
+        return SymmetricArrow(k1, self.matmul(border.T).T, c * c)
+
+    @classmethod
+    def row_width(cls, d: int) -> int:
+        """k1 + k2 + 1: the average nonzeros per row, rounded up (border rows are dense)."""
+        k1, _, k2 = cls.block_sizes(d)
+        return min(d, k1 + k2 + 1)
+
+
+class SymmetricArrow:
+    """A symmetric d x d matrix that is dense on its first k1 and last k2 rows and columns
+    and diagonal in between: K Kᵀ of a hierarchical K, in the accumulation dtype.
+
+    ``border``: (k1 + k2, d), the dense rows (first k1, then last k2); ``middle``: (m,), the
+    diagonal of the middle block. The middle columns of ``border`` are the middle rows'
+    off-diagonal entries, by symmetry.
+    """
+
+    def __init__(self, k1: int, border: Tensor, middle: Tensor) -> None:
+        self.k1, self.border, self.middle = k1, border, middle
+        self.parts = {"border": border, "middle": middle}
+
+    def matmul(self, X: Tensor) -> Tensor:
+        """P @ X for X (d, n), in promote(P, X): one (k1+k2)-row product for the border rows
+        and c² ⊙ X₂ plus a rank-(k1+k2) update for the middle."""
+        out_dtype = torch.promote_types(self.border.dtype, X.dtype)
+        X = upcast(X, out_dtype)
+        k1, s = self.k1, self.k1 + self.middle.shape[0]
+        X_border = torch.cat([X[:k1], X[s:]])
+        rows = self.border.to(out_dtype) @ X
+        out = X.new_empty(X.shape)
+        out[:k1], out[s:] = rows[:k1], rows[k1:]
+        middle = torch.mul(self.middle.to(out_dtype)[:, None], X[k1:s], out=out[k1:s])
+        middle.addmm_(self.border[:, k1:s].to(out_dtype).T, X_border)
+        return out
