@@ -20,21 +20,12 @@ import torch
 from torch import Tensor, nn
 
 from .. import ops
-from ..curvature.layers import Layer, split_matrix
+from ..curvature.layers import Layer
 from ..distributed.synchronizer import DEFAULT_BUCKET_CAP_MB
 from ..structures.base import accumulation_dtype
 from .base import KroneckerOptimizer, LayerRule, checked_fallback, scheduled, validate_common
-from .epilogue import adam_style_update_
 
 ADAFISHER = "adafisher"
-
-
-def _as_matrix(tensor: Tensor, rows: int) -> Tensor | None:
-    """``tensor`` viewed as (rows, -1) sharing its storage, or None when it cannot be."""
-    try:
-        return tensor.view(rows, -1)
-    except RuntimeError:
-        return None
 
 
 class DerivedCache:
@@ -60,8 +51,13 @@ class DerivedCache:
 
 class DiagonalBatch:
     """The lists of one :func:`singd_cuda.ops.diag_precond_step_` call: each layer's
-    weight as a (d_C, n) view and its bias as a (d_C, 1) view, with the row scales (d_C)
-    and the matching slice of the column scales (d_K = n [+ 1])."""
+    weight as a (d_C, n) matrix and its bias as a (d_C, 1) matrix, with the row scales
+    (d_C) and the matching slice of the column scales (d_K = n [+ 1]).
+
+    The matrices are views where the memory layout allows; a tensor that cannot be
+    viewed (e.g. a channels_last conv weight) is queued as a contiguous copy, and
+    :meth:`write_back` copies the updated parameters and buffers back after the op.
+    """
 
     def __init__(self) -> None:
         self.params: list[Tensor] = []
@@ -69,16 +65,25 @@ class DiagonalBatch:
         self.bufs: list[Tensor] = []
         self.rows: list[Tensor] = []
         self.cols: list[Tensor] = []
+        self._copies: list[tuple[Tensor, Tensor]] = []  # (tensor, its updated matrix copy)
+
+    def _matrix(self, tensor: Tensor, rows: int, updated: bool) -> Tensor:
+        """``tensor`` as (rows, -1): a view, else a copy (written back if ``updated``)."""
+        try:
+            return tensor.view(rows, -1)
+        except RuntimeError:
+            copy = tensor.reshape(rows, -1)  # not viewable: reshape copies
+            if updated:
+                self._copies.append((tensor, copy))
+            return copy
 
     def add(
         self, layer: Layer, states: list[dict], row: Tensor, col: Tensor, buf_key: str | None
-    ) -> bool:
+    ) -> None:
         """Queue the layer's parameters that have a gradient, with their buffers
         ``state[buf_key]`` (created as zeros in the parameter's dtype; none when
-        ``buf_key`` is None); False (nothing queued) when a parameter, gradient or buffer
-        cannot be viewed as a matrix."""
+        ``buf_key`` is None)."""
         d_out = layer.dim_out
-        entries = []
         start = 0
         for param, state in zip(layer.params, states, strict=True):
             width = param.numel() // max(d_out, 1)
@@ -86,25 +91,22 @@ class DiagonalBatch:
             start += width
             if param.grad is None:
                 continue  # e.g. a bias frozen after construction: leave it alone
-            if buf_key is not None and buf_key not in state:
-                state[buf_key] = torch.zeros_like(param)
-            views = [_as_matrix(param, d_out), _as_matrix(param.grad, d_out)]
+            self.params.append(self._matrix(param, d_out, updated=True))
+            self.grads.append(self._matrix(param.grad, d_out, updated=False))
             if buf_key is not None:
-                views.append(_as_matrix(state[buf_key], d_out))
-            if any(v is None for v in views):
-                return False
-            entries.append((views, cols))
-        for views, cols in entries:
-            self.params.append(views[0])
-            self.grads.append(views[1])
-            if len(views) > 2:
-                self.bufs.append(views[2])
+                if buf_key not in state:
+                    state[buf_key] = torch.zeros_like(param)
+                self.bufs.append(self._matrix(state[buf_key], d_out, updated=True))
             self.rows.append(row)
             self.cols.append(cols)
-        return True
 
     def lists(self) -> tuple[list[Tensor], ...]:
         return self.params, self.grads, self.bufs, self.rows, self.cols
+
+    def write_back(self) -> None:
+        """Copy the updated matrix copies into the tensors they stand for (after the op)."""
+        for tensor, copy in self._copies:
+            tensor.copy_(copy.view(tensor.shape))
 
 
 def min_max_normalise(v: Tensor) -> Tensor:
@@ -159,7 +161,6 @@ class AdaFisherRule(LayerRule):
         """:func:`singd_cuda.ops.diag_precond_step_` (mode "adafisher") over every layer:
         F̃ = s′ ⊗ h′ + λ is formed on the fly, never materialised."""
         batch = DiagonalBatch()
-        left = []
         for layer, layer_states in zip(layers, states, strict=True):
             acc = accumulation_dtype(layer.weight.dtype)
             s, h = self._normalised.get(
@@ -167,8 +168,7 @@ class AdaFisherRule(LayerRule):
                 (layer_states[0]["s"], layer_states[0]["h"]),
                 lambda s, h, acc=acc: (min_max_normalise(s.to(acc)), min_max_normalise(h.to(acc))),
             )
-            if not batch.add(layer, layer_states, s, h, "exp_avg"):
-                left.append(layer)
+            batch.add(layer, layer_states, s, h, "exp_avg")
         ops.diag_precond_step_(
             *batch.lists(),
             mode="adafisher",
@@ -182,29 +182,7 @@ class AdaFisherRule(LayerRule):
             stochastic_rounding=group["stochastic_rounding"],
             seed=seed,
         )
-        return left
-
-    def apply(self, layer, group, states, G: Tensor, step: int, generator) -> None:
-        h = min_max_normalise(states[0]["h"].to(G.dtype))
-        s = min_max_normalise(states[0]["s"].to(G.dtype))
-        fisher = torch.outer(s, h).add_(scheduled(group["damping"], step))
-        for param, state, direction, denominator in zip(
-            layer.params, states, split_matrix(layer, G), split_matrix(layer, fisher), strict=True
-        ):
-            if param.grad is None:
-                continue  # e.g. a bias frozen after construction: leave it alone
-            adam_style_update_(
-                param,
-                direction,
-                denominator,
-                state,
-                lr=group["lr"],
-                beta=group["momentum"],
-                step=step + 1,
-                weight_decay=group["weight_decay"],
-                decoupled=group["decoupled_weight_decay"],
-                generator=generator,
-            )
+        batch.write_back()
 
 
 class AdaFisher(KroneckerOptimizer):

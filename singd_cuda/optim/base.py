@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from .. import ops
 from ..curvature.capture import CurvatureCapture
 from ..curvature.layers import (
     LOSS_AVERAGES,
@@ -46,7 +47,6 @@ from ..distributed import norm_fisher, recipe
 from ..distributed.ownership import layer_cost
 from ..distributed.synchronizer import DEFAULT_BUCKET_CAP_MB, Synchronizer
 from ..structures.base import accumulation_dtype, upcast
-from .epilogue import sgd_momentum_update_
 from .fallback import adamw_update_
 
 Schedule = float | Callable[[int], float]
@@ -63,6 +63,9 @@ class LayerRule(ABC):
     ``pending`` holds the statistics captured since the last step under the
     keys "in" (input side, a) and "out" (output-gradient side, g); both are
     linear in aᵀa and gᵀg respectively and support ``mul_``.
+
+    A rule updates the parameters through :meth:`apply` (one layer at a time) or, for
+    the groups where :meth:`fuses_apply` holds, through :meth:`apply_many`.
     """
 
     @abstractmethod
@@ -81,20 +84,15 @@ class LayerRule(ABC):
     ) -> None:
         """Update the factors from the normalised, unscaled ``pending`` statistics."""
 
-    @abstractmethod
     def apply(
-        self,
-        layer: Layer,
-        group: dict,
-        states: list[dict],
-        G: Tensor,
-        step: int,
-        generator: torch.Generator | None,
+        self, layer: Layer, group: dict, states: list[dict], G: Tensor, step: int, seed: int
     ) -> None:
         """Precondition G (d_C x d_K, unscaled) and update the layer's parameters.
 
-        ``states`` are the states of ``layer.params`` in order.
+        ``states`` are the states of ``layer.params`` in order; ``seed`` seeds the
+        stochastic rounding of the parameter write (:func:`singd_cuda.ops.sgd_epilogue_`).
         """
+        raise NotImplementedError
 
     # Hooks for distributed training (singd_cuda.distributed); the defaults suit rules
     # whose statistics never read the layer state.
@@ -123,12 +121,10 @@ class LayerRule(ABC):
         inv_scale: Tensor | None,
         step: int,
         seed: int,
-    ) -> list[Layer]:
+    ) -> None:
         """Precondition and update every layer of ``layers`` (gradients still scaled by
-        1/``inv_scale``) in one pass; ``seed`` seeds stochastic rounding. Returns the
-        layers it could not take (e.g. non-viewable parameters), which :meth:`apply`
-        then updates one by one."""
-        return list(layers)
+        1/``inv_scale``) in one pass; ``seed`` seeds stochastic rounding."""
+        raise NotImplementedError
 
     def factor_structures(self, group: dict) -> tuple[str, str]:
         """(K side, C side) structure names of the layer's factors, for the cost model."""
@@ -190,7 +186,6 @@ class KroneckerOptimizer(Optimizer):
         super().__init__(params, {**self.common_defaults, **defaults, "step": 0})
         self._pending: dict[Layer, dict] = {}
         self._created: list[Tensor] = []  # states first created by this step's statistics
-        self._generators: dict[torch.device, torch.Generator] = {}
         self._capture: CurvatureCapture | None = None
         self._index_model()
         self._sync: Synchronizer | None = None
@@ -274,13 +269,16 @@ class KroneckerOptimizer(Optimizer):
         the current groups, and hook the layers (again, after a later add_param_group)."""
         model = self.model
         self._check_params_in_model(model)
+        self._param_group = {
+            id(p): index for index, g in enumerate(self.param_groups) for p in g["params"]
+        }
         self._layers = self._find_layers(model)
-        self._layer_group = {layer: self._group_index(layer.weight) for layer in self._layers}
         norm_params = {id(p) for g in self.param_groups if g["norm_fisher"] for p in g["params"]}
         self._norm_layers = norm_fisher.find_norm_layers(model, lambda p: id(p) in norm_params)
         self._norm_set = set(self._norm_layers)
-        for layer in self._norm_layers:
-            self._layer_group[layer] = self._group_index(layer.weight)
+        self._layer_group = {
+            layer: self._param_group[id(layer.weight)] for layer in self._layers + self._norm_layers
+        }
         in_layers = {id(p) for layer in self._layers + self._norm_layers for p in layer.params}
         self._fallback_params = [
             p for g in self.param_groups for p in g["params"] if id(p) not in in_layers
@@ -304,12 +302,6 @@ class KroneckerOptimizer(Optimizer):
                         "pass params drawn from model.parameters() (or params=None for all)"
                     )
 
-    def _group_index(self, param: Tensor) -> int:
-        for index, group in enumerate(self.param_groups):
-            if any(p is param for p in group["params"]):
-                return index
-        raise KeyError("parameter not in any group")
-
     def _find_layers(self, model: nn.Module) -> list[Layer]:
         trained = {id(p) for g in self.param_groups for p in g["params"]}
         bypassed = bypassed_modules(model)
@@ -321,7 +313,10 @@ class KroneckerOptimizer(Optimizer):
                 continue
             bias = module.bias if module.bias is not None and id(module.bias) in trained else None
             layer = Layer(name or type(module).__name__, module, module.weight, bias)
-            if bias is not None and self._group_index(bias) != self._group_index(module.weight):
+            if (
+                bias is not None
+                and self._param_group[id(bias)] != self._param_group[id(module.weight)]
+            ):
                 raise ValueError(
                     f"the weight and bias of layer '{layer.name}' are in different parameter "
                     "groups; a layer is preconditioned as one block, so put both in one group"
@@ -569,7 +564,7 @@ class KroneckerOptimizer(Optimizer):
         if grad_scale is not None:
             G = G / grad_scale.to(G.device, G.dtype)
         states = [self.state[p] for p in layer.params]
-        rule.apply(layer, group, states, G, group["step"], self._generator(group, layer.weight))
+        rule.apply(layer, group, states, G, group["step"], self._seed(group, layer.weight))
         if group["weight_rescale"]:
             recipe.rescale_weight_(layer.weight)
 
@@ -581,28 +576,20 @@ class KroneckerOptimizer(Optimizer):
             if grad_scale is not None and inv_scale is None:
                 inv_scale = grad_scale.to(layers[0].weight.device, torch.float32).reciprocal()
             states = [[self.state[p] for p in layer.params] for layer in layers]
-            # stochastic rounding: a pure function of (step, group), and of the position
-            # of the tensor in the pass, so it replays after a checkpoint
-            seed = group["step"] * 1_000_003 + self._param_index[id(layers[0].weight)]
-            rule = self.rule_for(group)
-            left = rule.apply_many(layers, group, states, inv_scale, group["step"], seed)
-            for layer in left:
-                self._apply(layer, grad_scale)
+            seed = self._seed(group, layers[0].weight)
+            self.rule_for(group).apply_many(layers, group, states, inv_scale, group["step"], seed)
             if group["weight_rescale"]:
                 for layer in layers:
-                    if layer not in left:
-                        recipe.rescale_weight_(layer.weight)
+                    recipe.rescale_weight_(layer.weight)
 
-    def _generator(self, group: dict, param: Tensor) -> torch.Generator | None:
-        """Seeded per (step, parameter) so stochastic rounding replays after a checkpoint
-        and every parameter draws its own rounding noise."""
-        if not group["stochastic_rounding"] or param.dtype != torch.bfloat16:
-            return None
-        generator = self._generators.get(param.device)
-        if generator is None:
-            generator = self._generators[param.device] = torch.Generator(param.device)
-        generator.manual_seed(group["step"] * 1_000_003 + self._param_index[id(param)])
-        return generator
+    def _seed(self, group: dict, param: Tensor) -> int:
+        """Stochastic-rounding seed of an op call whose first tensor is ``param``.
+
+        A pure function of (step, parameter), so a resumed checkpoint replays bit for bit;
+        the op hashes it with each tensor's position in its list, so that every parameter
+        draws its own random bits.
+        """
+        return group["step"] * 1_000_003 + self._param_index[id(param)]
 
     def _norm_step(self, grad_scale: Tensor | None) -> None:
         """Normalisation-layer affine parameters under ``norm_fisher``: momentum SGD on
@@ -614,37 +601,32 @@ class KroneckerOptimizer(Optimizer):
             if pending is not None:
                 norm_fisher.store_fisher(layer, states, pending["out"])
             damping = scheduled(group["norm_damping"], group["step"])
-            for param, state in zip(layer.params, states, strict=True):
-                if param.grad is None:
-                    continue
-                grad = upcast(param.grad)
-                if grad_scale is not None:
-                    grad = grad / grad_scale.to(grad.device, grad.dtype)
-                sgd_momentum_update_(
-                    param,
-                    norm_fisher.preconditioned(grad, state, damping),
-                    state,
-                    lr=group["lr"],
-                    momentum=group["momentum"],
-                    weight_decay=group["weight_decay"],
-                    generator=self._generator(group, param),
-                )
+            directions = [
+                None
+                if param.grad is None
+                else norm_fisher.preconditioned(_unscaled(param.grad, grad_scale), state, damping)
+                for param, state in zip(layer.params, states, strict=True)
+            ]
+            sgd_update_(layer.params, directions, states, group, self._seed(group, layer.weight))
 
     def _fallback_step(self, grad_scale: Tensor | None) -> None:
+        """AdamW on the fallback parameters that have a gradient, one write per group."""
+        by_group: dict[int, list[Tensor]] = {}
         for p in self._fallback_params:
-            if p.grad is None:
-                continue
-            group = self.param_groups[self._group_index(p)]
-            grad = p.grad if grad_scale is None else p.grad / grad_scale.to(p.grad.device)
+            if p.grad is not None:
+                by_group.setdefault(self._param_group[id(p)], []).append(p)
+        for index, params in by_group.items():
+            group = self.param_groups[index]
             adamw_update_(
-                p,
-                grad,
-                self.state[p],
+                params,
+                [_unscaled(p.grad, grad_scale) for p in params],
+                [self.state[p] for p in params],
                 lr=group["lr"] if group["fallback_lr"] is None else group["fallback_lr"],
                 betas=group["fallback_betas"],
                 eps=group["fallback_eps"],
                 weight_decay=group["fallback_weight_decay"],
-                generator=self._generator(group, p),
+                stochastic_rounding=group["stochastic_rounding"],
+                seed=self._seed(group, params[0]),
             )
 
     # ---------------------------------------------------------- checkpoints
@@ -687,6 +669,59 @@ class KroneckerOptimizer(Optimizer):
         self._capture.remove()
         if self._sync is not None:
             self._sync.remove()
+
+
+def _unscaled(grad: Tensor, grad_scale: Tensor | None) -> Tensor:
+    """grad / grad_scale in the accumulation dtype of grad's dtype (float32 for half types)."""
+    grad = upcast(grad)
+    return grad if grad_scale is None else grad / grad_scale.to(grad.device, grad.dtype)
+
+
+def sgd_update_(
+    params: list[Tensor],
+    directions: list[Tensor | None],
+    states: list[dict],
+    group: dict,
+    seed: int,
+) -> None:
+    """Momentum SGD with coupled weight decay on the parameters that have a gradient (the
+    others, e.g. a bias frozen after construction, are left alone), in one
+    :func:`singd_cuda.ops.sgd_epilogue_` call with the group's ``lr``, ``momentum``,
+    ``weight_decay`` and ``stochastic_rounding``.
+
+    Args:
+        params: the parameters, any shapes, float32/bfloat16/float16/float64.
+        directions: the unscaled preconditioned gradients, shaped like ``params``, in
+            any floating dtype (used in the parameter's accumulation dtype: float32 for
+            half types); ignored (may be None) for parameters without a gradient.
+        states: the parameters' states; the momentum buffer ``state["momentum_buffer"]``
+            (the parameter's dtype) is created as zeros when missing and momentum != 0.
+        seed: the stochastic-rounding seed of the call.
+    """
+    trained = [
+        (p, upcast(d, p.dtype), s)
+        for p, d, s in zip(params, directions, states, strict=True)
+        if p.grad is not None
+    ]
+    if not trained:
+        return
+    momentum = group["momentum"]
+    bufs = []
+    if momentum != 0.0:
+        for p, _, s in trained:
+            if "momentum_buffer" not in s:
+                s["momentum_buffer"] = torch.zeros_like(p)
+            bufs.append(s["momentum_buffer"])
+    ops.sgd_epilogue_(
+        [p for p, _, _ in trained],
+        [d for _, d, _ in trained],
+        bufs,
+        lr=group["lr"],
+        momentum=momentum,
+        weight_decay=group["weight_decay"],
+        stochastic_rounding=group["stochastic_rounding"],
+        seed=seed,
+    )
 
 
 def _keep_dtypes(saved_value: Any, loaded: Any, device: torch.device) -> Any:

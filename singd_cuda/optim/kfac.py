@@ -32,9 +32,9 @@ from .base import (
     LayerRule,
     checked_fallback,
     scheduled,
+    sgd_update_,
     validate_common,
 )
-from .epilogue import sgd_momentum_update_
 
 INVERSE_METHODS = ("inverse", "eigen")
 FISHER_TYPES = ("empirical", "ggn")
@@ -85,22 +85,11 @@ class KfacRule(LayerRule):
             for key in ("A", "G"):
                 state[f"{key}_inv"].copy_(damped_inverse(state[key], root, group["inverse"]))
 
-    def apply(self, layer, group, states, G: Tensor, step: int, generator) -> None:
+    def apply(self, layer, group, states, G: Tensor, step: int, seed: int) -> None:
         """G_inv ∇W A_inv, then momentum SGD with weight decay."""
         state = states[0]
         natural = state["G_inv"].to(G.dtype) @ G @ state["A_inv"].to(G.dtype)
-        for param, param_state, direction in zip(
-            layer.params, states, split_matrix(layer, natural), strict=True
-        ):
-            sgd_momentum_update_(
-                param,
-                direction,
-                param_state,
-                lr=group["lr"],
-                momentum=group["momentum"],
-                weight_decay=group["weight_decay"],
-                generator=generator,
-            )
+        sgd_update_(layer.params, split_matrix(layer, natural), states, group, seed)
 
 
 class KFAC(KroneckerOptimizer):

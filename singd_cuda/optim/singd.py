@@ -27,9 +27,9 @@ from .base import (
     check_positive,
     checked_fallback,
     scheduled,
+    sgd_update_,
     validate_common,
 )
-from .epilogue import sgd_momentum_update_
 
 StructureSpec = str | type[StructuredMatrix]
 
@@ -122,7 +122,6 @@ class SingdRule(LayerRule):
         Ĝ = c² ⊙ G ⊙ k² and momentum SGD, in one pass over W, G and the buffers."""
         momentum = group["momentum"]
         batch = DiagonalBatch()
-        left = []
         for layer, layer_states in zip(layers, states, strict=True):
             state = layer_states[0]
             c2, k2 = self._squares.get(
@@ -130,9 +129,7 @@ class SingdRule(LayerRule):
                 (state["C"]["diag"], state["K"]["diag"]),
                 lambda c, k: (upcast(c).square(), upcast(k).square()),
             )
-            buf_key = "momentum_buffer" if momentum != 0.0 else None
-            if not batch.add(layer, layer_states, c2, k2, buf_key):
-                left.append(layer)
+            batch.add(layer, layer_states, c2, k2, "momentum_buffer" if momentum != 0.0 else None)
         ops.diag_precond_step_(
             *batch.lists(),
             mode="singd",
@@ -143,7 +140,7 @@ class SingdRule(LayerRule):
             stochastic_rounding=group["stochastic_rounding"],
             seed=seed,
         )
-        return left
+        batch.write_back()
 
     def _update_diagonal_factors(self, state, pending, group: dict, step: int) -> None:
         """The diagonal factor update of both sides in one :func:`diag_factor_update_`."""
@@ -243,27 +240,14 @@ class SingdRule(LayerRule):
         sources = (*state["C"].values(), *state["K"].values())
         return self._outer.get(layer, sources, derive)
 
-    def apply(self, layer, group, states, G: Tensor, step: int, generator) -> None:
+    def apply(self, layer, group, states, G: Tensor, step: int, seed: int) -> None:
         """Ĝ = (C Cᵀ) G (K Kᵀ), then momentum SGD with weight decay on each parameter."""
         f = self._factors(layer, group, states[0])
         K, C = f["K"], f["C"]
         CCt, KKt = self._outer_products(layer, group, states[0], f, step)
         natural = C.matmul(C.rmatmul(G)) if CCt is None else CCt.matmul(G)
         natural = (K.matmul(K.rmatmul(natural.T)) if KKt is None else KKt.matmul(natural.T)).T
-        for param, state, direction in zip(
-            layer.params, states, split_matrix(layer, natural), strict=True
-        ):
-            if param.grad is None:
-                continue  # e.g. a bias frozen after construction: leave it alone
-            sgd_momentum_update_(
-                param,
-                direction,
-                state,
-                lr=group["lr"],
-                momentum=group["momentum"],
-                weight_decay=group["weight_decay"],
-                generator=generator,
-            )
+        sgd_update_(layer.params, split_matrix(layer, natural), states, group, seed)
 
 
 class SINGD(KroneckerOptimizer):

@@ -47,6 +47,12 @@ CASES = {
         stochastic_rounding=True,
         model_dtype=torch.bfloat16,
     ),
+    "adafisher-pure-bf16-sr": dict(
+        name="adafisher",
+        factor_dtype=torch.bfloat16,
+        stochastic_rounding=True,
+        model_dtype=torch.bfloat16,
+    ),
 }
 
 

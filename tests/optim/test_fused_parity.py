@@ -15,9 +15,10 @@ import pytest
 import torch
 
 import singd_cuda.ops as ops
-from singd_cuda import SINGD, AdaFisher
+from singd_cuda import KFAC, SINGD, AdaFisher
 
-from .conftest import MODELS, loss_fn, random_batches
+from .conftest import MODELS, assert_models_equal, loss_fn, random_batches, train
+from .test_checkpoint import model_with_fallback
 
 pytestmark = pytest.mark.skipif(not ops.fused_available("cpu"), reason="fused ops not built")
 
@@ -118,3 +119,26 @@ def test_one_update_call_per_step_whatever_the_depth(name, monkeypatch):
     monkeypatch.setattr(ops, "diag_precond_step_", counting)
     run("mlp", name, True, monkeypatch)
     assert calls == [6] * STEPS  # 3 layers x (weight, bias), one call per step
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs"),
+    [
+        (SINGD, dict(lr=0.05, T=2)),
+        (SINGD, dict(lr=0.05, T=1, structures="tril_toeplitz", norm_fisher=True)),
+        (KFAC, dict(lr=0.05, T=2)),
+    ],
+    ids=["singd-dense", "singd-toeplitz-norm-fisher", "kfac"],
+)
+def test_bf16_stochastic_rounding_dense_paths_are_bitwise_equal(cls, kwargs, monkeypatch):
+    """The per-layer paths, the norm Fisher and the AdamW fallback write through
+    sgd_epilogue_, whose rounding bits are the same on the fused and the reference
+    path: a pure-bf16 model trained with stochastic rounding ends bitwise equal."""
+    models = []
+    for fused in (True, False):
+        monkeypatch.setenv("SINGD_CUDA_FUSED", "1" if fused else "0")
+        model = model_with_fallback(torch.bfloat16)
+        opt = cls(model, stochastic_rounding=True, factor_dtype=torch.bfloat16, **kwargs)
+        train(model, opt, random_batches("mlp", STEPS, dtype=torch.bfloat16))
+        models.append(model)
+    assert_models_equal(*models)
