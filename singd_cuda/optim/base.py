@@ -518,9 +518,10 @@ class KroneckerOptimizer(Optimizer):
         if stats_scale is not None:
             out_factor = out_factor / float(stats_scale) ** 2
         for pending in self._pending.values():
-            if "in" in pending:  # normalisation layers have an output side only
+            if "in" in pending and micro_batches != 1:  # norm layers have no input side
                 pending["in"].mul_(1.0 / micro_batches)
-            pending["out"].mul_(out_factor)
+            if out_factor != 1.0:
+                pending["out"].mul_(out_factor)
 
     def _synchronise(
         self, grad_scale: Tensor | None, found_inf: Tensor | None

@@ -211,8 +211,9 @@ class SingdRule(LayerRule):
             # m̂ = ½[scale_H·H + λ·scale_inner·Π̂(FᵀF) − I]; with normalize_lr_cov the
             # reference scales m̂ by (1 − α₁) too, so that m is an average and its
             # largest entry (which divides β₁) does not grow with α₁
-            m_hat = H.mul_(scale_H).add_(inner, alpha=damping * float(scale_inner))
-            m_hat.add_identity_(-1.0).mul_(0.5 * (1.0 - alpha1 if normalize else 1.0))
+            half = 0.5 * (1.0 - alpha1 if normalize else 1.0)
+            m_hat = H.mul_(scale_H * half).add_(inner, alpha=half * damping * float(scale_inner))
+            m_hat.add_identity_(-half)
             m = f[f"m_{side}"].mul_(alpha1).add_(m_hat)
             beta1 = lr_cov
             if normalize:

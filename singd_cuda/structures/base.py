@@ -35,6 +35,13 @@ def accumulation_dtype(*dtypes: torch.dtype) -> torch.dtype:
     return torch.float32 if widest in HALF_DTYPES else widest
 
 
+def store_(part: Tensor, value: Tensor) -> None:
+    """part ← value, rounded to part's dtype; nothing to do when ``value`` is ``part``
+    (an in-place update of a part already in its accumulation dtype)."""
+    if value is not part:
+        part.copy_(value)
+
+
 def upcast(tensor: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """``tensor`` in the accumulation dtype of its own dtype (or of ``dtype``)."""
     return tensor.to(accumulation_dtype(tensor.dtype if dtype is None else dtype))
@@ -215,13 +222,13 @@ class StructuredMatrix(ABC):
         self._check_same_structure(other)
         for name, part in self.parts.items():
             update = upcast(part).add_(upcast(other.parts[name], part.dtype), alpha=alpha)
-            part.copy_(update)
+            store_(part, update)
         return self
 
     def mul_(self, scalar: float | Tensor) -> StructuredMatrix:
         """self *= scalar, in place."""
         for part in self.parts.values():
-            part.copy_(upcast(part).mul_(scalar))
+            store_(part, upcast(part).mul_(scalar))
         return self
 
     def add_identity_(self, alpha: float = 1.0) -> StructuredMatrix:

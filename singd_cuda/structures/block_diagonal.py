@@ -7,7 +7,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from .base import StructuredMatrix, accumulation_dtype, upcast
+from .base import StructuredMatrix, accumulation_dtype, store_, upcast
 
 
 class BlockDiagonal(StructuredMatrix):
@@ -141,5 +141,5 @@ class BlockDiagonal(StructuredMatrix):
     def add_identity_(self, alpha: float = 1.0) -> BlockDiagonal:
         for part in self.parts.values():
             diag = part.diagonal(dim1=-2, dim2=-1)
-            diag.copy_(upcast(diag).add_(alpha))
+            store_(diag, upcast(diag).add_(alpha))
         return self

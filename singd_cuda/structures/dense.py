@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .base import StructuredMatrix, upcast
+from .base import StructuredMatrix, store_, upcast
 
 
 class Dense(StructuredMatrix):
@@ -52,6 +52,11 @@ class Dense(StructuredMatrix):
 
     def trace(self) -> Tensor:
         return upcast(self.parts["mat"]).diagonal().sum()
+
+    def add_identity_(self, alpha: float = 1.0) -> Dense:
+        diag = self.parts["mat"].diagonal()
+        store_(diag, upcast(diag).add_(alpha))
+        return self
 
     def times_transpose(self) -> Dense:
         mat = upcast(self.parts["mat"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .base import StructuredMatrix, accumulation_dtype, upcast
+from .base import StructuredMatrix, accumulation_dtype, store_, upcast
 
 
 class Diagonal(StructuredMatrix):
@@ -65,5 +65,5 @@ class Diagonal(StructuredMatrix):
 
     def add_identity_(self, alpha: float = 1.0) -> Diagonal:
         diag = self.parts["diag"]
-        diag.copy_(upcast(diag).add_(alpha))
+        store_(diag, upcast(diag).add_(alpha))
         return self

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ._blocks import block_copy, cast_parts, check_shapes, column_sq_sum, upcast_all
-from .base import StructuredMatrix, accumulation_dtype, upcast
+from .base import StructuredMatrix, accumulation_dtype, store_, upcast
 
 
 class Hierarchical(StructuredMatrix):
@@ -180,6 +180,11 @@ class Hierarchical(StructuredMatrix):
     def trace(self) -> Tensor:
         A, c, E = (upcast(self.parts[name]) for name in "AcE")
         return A.diagonal().sum() + c.sum() + E.diagonal().sum()
+
+    def add_identity_(self, alpha: float = 1.0) -> Hierarchical:
+        for diag in (self.parts["A"].diagonal(), self.parts["c"], self.parts["E"].diagonal()):
+            store_(diag, upcast(diag).add_(alpha))
+        return self
 
     def times_transpose(self) -> SymmetricArrow:
         """K Kᵀ: its border rows K_b Kᵀ (K_b the first k1 and last k2 rows of K) and c²."""
