@@ -94,8 +94,10 @@ class BlockDiagonal(StructuredMatrix):
         n, b, _ = blocks.shape
         m = X.shape[1]
         X = upcast(X, out_dtype)
-        top = torch.bmm(blocks, X[: n * b].reshape(n, b, m)).reshape(n * b, m)
-        return torch.cat([top, last @ X[n * b :]]).to(out_dtype)
+        out = X.new_empty(X.shape)  # both products write into it: no concatenation pass
+        torch.bmm(blocks, X[: n * b].reshape(n, b, m), out=out[: n * b].view(n, b, m))
+        torch.mm(last, X[n * b :], out=out[n * b :])
+        return out.to(out_dtype)
 
     def matmul(self, X: Tensor) -> Tensor:
         return self._apply(X, transpose=False)
