@@ -8,9 +8,12 @@ has), and the baselines torch AdamW (foreach) and AdamW (fused). Models: an MLP 
 Within one block (model, dtype, T) every competitor has its own copy of the model (same
 initial weights, same batches) and the timed steps (zero_grad, forward, backward,
 optimizer.step) run round-robin over all competitors, so a burst of load from other
-processes hits them alike. Each round also times the plain model (zero_grad, forward,
-backward, no optimizer and no hooks); a competitor's "statistics + step" time in a round
-is its step time minus the plain model's, i.e. what the optimizer adds: its hooks and
+processes hits them alike, in a new random order every round and each after an untimed
+step of the plain model (a step right after a heavy one, such as PyPI singd's Toeplitz step
+that allocates ~100 MB, runs measurably slower; the untimed step absorbs that). The plain
+model (zero_grad, forward, backward, no optimizer and no hooks) is one more competitor of
+every round; a competitor's "statistics + step" time is
+its median step time minus the plain model's, i.e. what the optimizer adds: its hooks and
 statistics during the backward pass (where PyPI singd also updates its factors) plus
 ``optimizer.step()``. The table shows medians over the timed rounds and ratios of
 "statistics + step" against the baselines of the same block. Allocations are those of
@@ -32,6 +35,7 @@ import copy
 import datetime
 import os
 import platform
+import random
 import shlex
 import statistics
 import sys
@@ -274,15 +278,14 @@ def run_block(kind, dtype_name, T, structures, competitors, steps, warmup) -> li
     plain, runners = runners[0], runners[1:]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        order = random.Random(0)
         for i in range(warmup + steps):
-            plain.step(timed=i >= warmup)
-            for r in runners:
+            for r in order.sample([plain, *runners], len(runners) + 1):
+                plain.step(timed=False)  # settles what the previous competitor left behind
                 r.step(timed=i >= warmup)
         rows = []
         for r in runners:
             count, size = r.allocations(T)
-            # a competitor that fails stops being timed: pair the rounds it ran
-            overhead = [t - p for t, p in zip(r.times, plain.times, strict=False)]
             rows.append(
                 dict(
                     model=kind,
@@ -291,7 +294,7 @@ def run_block(kind, dtype_name, T, structures, competitors, steps, warmup) -> li
                     structure=r.structure,
                     name=r.name,
                     median_ms=median_ms(r.times),
-                    overhead_ms=median_ms(overhead),
+                    overhead_ms=median_ms(r.times) - median_ms(plain.times),
                     step_ms=median_ms(r.step_times),
                     plain_ms=median_ms(plain.times),
                     state_bytes=state_bytes(r.opt) if r.opt is not None else -1,
@@ -363,7 +366,7 @@ def report(rows: list[dict], args, elapsed: float) -> str:
         f"{args.steps} timed steps per competitor (after {args.warmup} warm-up), interleaved.",
         "",
         "Times: medians in ms. *total*: zero_grad + forward + backward + optimizer.step. "
-        "*stats + step*: total minus the plain model's forward + backward of the same round "
+        "*stats + step*: total minus the plain model's forward + backward (same rounds) "
         "(what the optimizer adds, statistics and factor updates included). *step*: "
         "optimizer.step() alone (PyPI singd updates its factors in backward hooks, outside "
         "it). Ratios: *stats + step* against the baselines of the same block. Alloc: ops "
