@@ -246,8 +246,10 @@ class SingdRule(LayerRule):
         f = self._factors(layer, group, states[0])
         K, C = f["K"], f["C"]
         CCt, KKt = self._outer_products(layer, group, states[0], f, step)
-        natural = C.matmul(C.rmatmul(G)) if CCt is None else CCt.matmul(G)
-        natural = (K.matmul(K.rmatmul(natural.T)) if KKt is None else KKt.matmul(natural.T)).T
+        # K side first on Gᵀ, C side last: Ĝ comes out row-major like the parameters, so
+        # the update epilogue reads it without a transposing copy
+        right = K.matmul(K.rmatmul(G.T)) if KKt is None else KKt.matmul(G.T)  # (G K Kᵀ)ᵀ
+        natural = C.matmul(C.rmatmul(right.T)) if CCt is None else CCt.matmul(right.T)
         sgd_update_(layer.params, split_matrix(layer, natural), states, group, seed)
 
 
