@@ -12,15 +12,18 @@ processes hits them alike, in a new random order every round and each after an u
 step of the plain model (a step right after a heavy one, such as PyPI singd's Toeplitz step
 that allocates ~100 MB, runs measurably slower; the untimed step absorbs that). The plain
 model (zero_grad, forward, backward, no optimizer and no hooks) is one more competitor of
-every round; a competitor's "statistics + step" time is
-its median step time minus the plain model's, i.e. what the optimizer adds: its hooks and
-statistics during the backward pass (where PyPI singd also updates its factors) plus
-``optimizer.step()``. The table shows medians over the timed rounds and ratios of
-"statistics + step" against the baselines of the same block. Allocations are those of
-one steady-state ``optimizer.step()`` (torch.profiler, profile_memory=True): a step that
-updates no factors when T > 1, else an update step. State bytes: every tensor the
-optimizer holds; ours also keeps K Kᵀ and C Cᵀ between factor updates for the dense and
-block-diagonal structures (derived, not state), counted under "cache KiB".
+every round; a competitor's "statistics + step" time is its step time minus the plain
+model's, i.e. what the optimizer adds: its hooks and statistics during the backward pass
+(where PyPI singd also updates its factors) plus ``optimizer.step()``.
+
+Times are per step, amortized over a period of T steps: ((T - 1) x the median step without
+a curvature update + the median step with one) / T, so the statistics and factor updates of
+one step in T count (a plain median would hide them); the plain median for T = 1. Ratios
+are those of "statistics + step" against the baselines of the same block. Allocations are
+those of one steady-state ``optimizer.step()`` (torch.profiler, profile_memory=True): a step
+that updates no factors when T > 1, else an update step. State bytes: every tensor the
+optimizer holds; ours also keeps K Kᵀ and C Cᵀ between factor updates where that pays off
+(derived, not state), counted under "cache KiB".
 
     python benchmarks/vs_peers.py --out benchmarks/results/vs_peers.md
     python benchmarks/vs_peers.py --quick  # a small grid, a few steps
@@ -128,9 +131,11 @@ class Runner:
     fused: bool | None
     batches: Callable[[int], tuple]
     autocast: torch.dtype | None
+    period: int = 1  # T: the steps t with t % T == 0 update the curvature
     t: int = 0
     times: list[float] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
+    updates: list[bool] = field(default_factory=list)
     error: str | None = None
 
     def forward_backward(self) -> None:
@@ -158,10 +163,11 @@ class Runner:
         except Exception as error:  # a peer that cannot run this case
             self.error = f"{type(error).__name__}: {str(error).splitlines()[0][:80]}"
             return
-        self.t += 1
         if timed:
             self.times.append(end - start)
             self.step_times.append(end - mid)
+            self.updates.append(self.t % self.period == 0)
+        self.t += 1
 
     def allocations(self, period: int) -> tuple[int, int]:
         """(ops that allocate, bytes allocated) in one steady-state optimizer.step()."""
@@ -242,7 +248,7 @@ def build_runners(kind: str, structures: list[str], T: int, autocast, competitor
             r.error = f"{type(error).__name__}: {str(error).splitlines()[0][:80]}"
             runners.append(r)
             return
-        runners.append(Runner(name, structure, model, opt, fused, batches, autocast))
+        runners.append(Runner(name, structure, model, opt, fused, batches, autocast, period=T))
 
     hyper = dict(lr=1e-3, momentum=0.9, damping=1e-3, T=T)
     for s in structures:
@@ -293,9 +299,9 @@ def run_block(kind, dtype_name, T, structures, competitors, steps, warmup) -> li
                     T=T,
                     structure=r.structure,
                     name=r.name,
-                    median_ms=median_ms(r.times),
-                    overhead_ms=median_ms(r.times) - median_ms(plain.times),
-                    step_ms=median_ms(r.step_times),
+                    median_ms=amortized_ms(r.times, r.updates, T),
+                    overhead_ms=amortized_ms(r.times, r.updates, T) - median_ms(plain.times),
+                    step_ms=amortized_ms(r.step_times, r.updates, T),
                     plain_ms=median_ms(plain.times),
                     state_bytes=state_bytes(r.opt) if r.opt is not None else -1,
                     cache_bytes=cache_bytes(r.opt) if r.opt is not None else -1,
@@ -315,6 +321,17 @@ def run_block(kind, dtype_name, T, structures, competitors, steps, warmup) -> li
 
 def median_ms(seconds: list[float]) -> float:
     return 1e3 * statistics.median(seconds) if seconds else float("nan")
+
+
+def amortized_ms(seconds: list[float], updates: list[bool], T: int) -> float:
+    """Per-step cost over a period of T steps: ((T - 1) x the median step without a
+    curvature update + the median step with one) / T. A plain median would hide the
+    update steps (one in T), where the statistics and factor updates happen."""
+    regular = [t for t, u in zip(seconds, updates, strict=True) if not u]
+    update = [t for t, u in zip(seconds, updates, strict=True) if u]
+    if not regular or not update:
+        return median_ms(seconds)
+    return ((T - 1) * median_ms(regular) + median_ms(update)) / T
 
 
 def fmt(value: float, digits: int = 2) -> str:
@@ -365,8 +382,10 @@ def report(rows: list[dict], args, elapsed: float) -> str:
         f"torch {torch.__version__} ({torch.get_num_threads()} threads); run took {elapsed:.0f} s; "
         f"{args.steps} timed steps per competitor (after {args.warmup} warm-up), interleaved.",
         "",
-        "Times: medians in ms. *total*: zero_grad + forward + backward + optimizer.step. "
-        "*stats + step*: total minus the plain model's forward + backward (same rounds) "
+        "Times in ms per step, amortized over a period of T steps: ((T - 1) x the median "
+        "step without a curvature update + the median update step) / T (the plain median "
+        "for T = 1). *total*: zero_grad + forward + backward + optimizer.step. "
+        "*stats + step*: total minus the plain model's median forward + backward (same rounds) "
         "(what the optimizer adds, statistics and factor updates included). *step*: "
         "optimizer.step() alone (PyPI singd updates its factors in backward hooks, outside "
         "it). Ratios: *stats + step* against the baselines of the same block. Alloc: ops "
@@ -416,7 +435,9 @@ def parse_args(argv=None):
         default=["ours", "ours-ref", "singd", "adamw-foreach", "adamw-fused"],
         choices=["ours", "ours-ref", "singd", "adamw-foreach", "adamw-fused"],
     )
-    parser.add_argument("--steps", type=int, default=30, help="timed steps per competitor")
+    parser.add_argument(
+        "--steps", type=int, default=40, help="timed steps per competitor (4 updates at T=10)"
+    )
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     parser.add_argument("--quick", action="store_true", help="mlp, float32, T=10, few steps")
