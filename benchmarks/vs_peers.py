@@ -192,19 +192,22 @@ class Runner:
 
 def cache_bytes(opt: torch.optim.Optimizer) -> int:
     """Bytes of ours' derived caches between factor updates (K Kᵀ, C Cᵀ, c², k², ...)."""
-    rules = getattr(opt, "_rules", {}).values()
-    total = 0
-    for rule in rules:
+    tensors: dict[int, int] = {}
+
+    def walk(value) -> None:
+        if isinstance(value, torch.Tensor):
+            tensors[value.untyped_storage().data_ptr()] = value.untyped_storage().nbytes()
+        elif isinstance(value, list | tuple):
+            for item in value:
+                walk(item)
+        elif hasattr(value, "parts"):  # structured matrices, K Kᵀ operators
+            walk(list(value.parts.values()))
+
+    for rule in getattr(opt, "_rules", {}).values():
         for cache in vars(rule).values():
-            for _, values in getattr(cache, "_entries", {}).values():
-                total += sum(
-                    sum(p.untyped_storage().nbytes() for p in v.parts.values())
-                    if hasattr(v, "parts")
-                    else v.untyped_storage().nbytes()
-                    for v in values
-                    if v is not None
-                )
-    return total
+            for _, values, _ in getattr(cache, "_entries", {}).values():
+                walk(values)
+    return sum(tensors.values())
 
 
 def state_bytes(opt: torch.optim.Optimizer) -> int:

@@ -24,29 +24,9 @@ from ..curvature.layers import Layer
 from ..distributed.synchronizer import DEFAULT_BUCKET_CAP_MB
 from ..structures.base import accumulation_dtype
 from .base import KroneckerOptimizer, LayerRule, checked_fallback, scheduled, validate_common
+from .derived import DerivedCache
 
 ADAFISHER = "adafisher"
-
-
-class DerivedCache:
-    """Vectors derived from a layer's factors (c², k²; AdaFisher's s′, h′), kept between
-    factor updates so that a step without one allocates nothing. An entry is valid while
-    the factor tensors are the same objects (a loaded checkpoint brings new ones) and
-    until :meth:`forget` (called by every factor update of the layer)."""
-
-    def __init__(self) -> None:
-        self._entries: dict[int, tuple[tuple[Tensor, ...], tuple[Tensor, ...]]] = {}
-
-    def get(self, layer: Layer, sources: tuple[Tensor, ...], derive) -> tuple[Tensor, ...]:
-        entry = self._entries.get(id(layer))
-        if entry is not None and all(a is b for a, b in zip(entry[0], sources, strict=True)):
-            return entry[1]
-        values = derive(*sources)
-        self._entries[id(layer)] = (sources, values)
-        return values
-
-    def forget(self, layer: Layer) -> None:
-        self._entries.pop(id(layer), None)
 
 
 class DiagonalBatch:
@@ -109,11 +89,41 @@ class DiagonalBatch:
             tensor.copy_(copy.view(tensor.shape))
 
 
-def min_max_normalise(v: Tensor) -> Tensor:
-    """v scaled to [0, 1]; a constant vector maps to ones (no direction is preferred)."""
-    low, high = v.min(), v.max()
-    span = high - low
-    return torch.where(span > 0, (v - low) / span.clamp_min(torch.finfo(v.dtype).tiny), 1.0)
+def min_max_normalise(v: Tensor, out: Tensor | None = None, scratch: Tensor | None = None):
+    """v scaled to [0, 1]; a constant vector maps to ones (no direction is preferred).
+
+    v: (d,), any float dtype. ``out``: (d,) result buffer (default: new, v's dtype);
+    ``scratch``: from :func:`normalise_scratch` in out's dtype. With both given nothing
+    is allocated (hence no Python-scalar arithmetic, which would allocate 0-dim tensors).
+    """
+    if out is None:
+        out = v.clone()
+    if scratch is None:
+        scratch = normalise_scratch(out)
+    low, span, constant, one = scratch.unbind()
+    out.copy_(v)
+    torch.aminmax(out, out=(low, span))
+    span.sub_(low)
+    torch.sub(one, torch.sign(span, out=constant), out=constant)  # 1 if span == 0, else 0
+    # (v − low + constant) / max(span + constant, tiny): ones for a constant vector
+    span.add_(constant).clamp_min_(torch.finfo(out.dtype).tiny)
+    return out.sub_(low).add_(constant).div_(span)
+
+
+def normalise_scratch(like: Tensor) -> Tensor:
+    """The 4-element scratch of :func:`min_max_normalise` (its last entry holds 1)."""
+    return torch.tensor([0.0, 0.0, 0.0, 1.0], dtype=like.dtype, device=like.device)
+
+
+def _normalised(s: Tensor, h: Tensor, acc: torch.dtype, out: tuple | None) -> tuple:
+    """(s′, h′, scratch): the min–max normalised EMAs in ``acc``, into ``out`` if given."""
+    if out is None:
+        s_norm = s.new_empty(s.shape, dtype=acc)
+        out = (s_norm, h.new_empty(h.shape, dtype=acc), normalise_scratch(s_norm))
+    s_norm, h_norm, scratch = out
+    min_max_normalise(s, s_norm, scratch)
+    min_max_normalise(h, h_norm, scratch)
+    return out
 
 
 class AdaFisherRule(LayerRule):
@@ -151,8 +161,10 @@ class AdaFisherRule(LayerRule):
         self._normalised.forget(layer)
         decay = group["ema_decay"]
         for key, new in (("h", pending["in"]), ("s", pending["out"])):
-            ema = state[key].to(new.dtype).mul_(decay).add_(new, alpha=1.0 - decay)
-            state[key].copy_(ema)
+            # lerp_ takes its weight as a scalar; mul_(decay) would allocate a 0-dim tensor
+            ema = state[key].to(new.dtype).lerp_(new, 1.0 - decay)
+            if ema is not state[key]:
+                state[key].copy_(ema)
 
     def fuses_apply(self, group: dict) -> bool:
         return True
@@ -163,10 +175,10 @@ class AdaFisherRule(LayerRule):
         batch = DiagonalBatch()
         for layer, layer_states in zip(layers, states, strict=True):
             acc = accumulation_dtype(layer.weight.dtype)
-            s, h = self._normalised.get(
+            s, h, _ = self._normalised.get(
                 layer,
                 (layer_states[0]["s"], layer_states[0]["h"]),
-                lambda s, h, acc=acc: (min_max_normalise(s.to(acc)), min_max_normalise(h.to(acc))),
+                lambda s, h, out, acc=acc: _normalised(s, h, acc, out),
             )
             batch.add(layer, layer_states, s, h, "exp_avg")
         ops.diag_precond_step_(

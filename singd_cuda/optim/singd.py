@@ -8,7 +8,8 @@ live in bfloat16/float16 (``factor_dtype``) with float32 accumulation.
 
 from __future__ import annotations
 
-from typing import Any
+from functools import partial
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -18,9 +19,9 @@ from .. import structures as structure_registry
 from ..curvature.layers import Layer, split_matrix
 from ..distributed.statistics import congruence, shared_statistic
 from ..distributed.synchronizer import DEFAULT_BUCKET_CAP_MB
-from ..structures.base import StructuredMatrix, accumulation_dtype, upcast
+from ..structures.base import StructuredMatrix, accumulation_dtype
 from ..structures.diagonal import Diagonal
-from .adafisher import ADAFISHER, AdaFisherRule, DerivedCache, DiagonalBatch
+from .adafisher import ADAFISHER, AdaFisherRule, DiagonalBatch
 from .base import (
     KroneckerOptimizer,
     LayerRule,
@@ -30,6 +31,7 @@ from .base import (
     sgd_update_,
     validate_common,
 )
+from .derived import DerivedCache
 
 StructureSpec = str | type[StructuredMatrix]
 
@@ -56,7 +58,7 @@ class SingdRule(LayerRule):
     """SINGD's factor update and preconditioning for one layer (DESIGN.md section 2)."""
 
     def __init__(self) -> None:
-        self._squares = DerivedCache()  # diagonal path: (c², k²) between factor updates
+        self._squares = DerivedCache()  # diagonal path: DiagonalSquares between factor updates
         self._outer = DerivedCache()  # (C Cᵀ or None, K Kᵀ or None) between factor updates
 
     def _classes(self, group: dict) -> tuple[type[StructuredMatrix], type[StructuredMatrix]]:
@@ -106,8 +108,9 @@ class SingdRule(LayerRule):
 
     def accumulate_diagonal(self, layer, group, state, pending, h: Tensor, s: Tensor) -> None:
         """H_K = k² ⊙ diag(aᵀa), H_C = c² ⊙ diag(gᵀg): Π̂(Kᵀ aᵀa K) for diagonal K."""
-        H_K = Diagonal(layer.dim_in, diag=h.mul_(upcast(state["K"]["diag"], h.dtype).square()))
-        H_C = Diagonal(layer.dim_out, diag=s.mul_(upcast(state["C"]["diag"], s.dtype).square()))
+        squares = self._squares.get(layer, (state["C"]["diag"], state["K"]["diag"]), _squares)
+        H_K = Diagonal(layer.dim_in, diag=h.mul_(squares.k2))
+        H_C = Diagonal(layer.dim_out, diag=s.mul_(squares.c2))
         if "in" in pending:
             pending["in"].add_(H_K)
             pending["out"].add_(H_C)
@@ -124,12 +127,9 @@ class SingdRule(LayerRule):
         batch = DiagonalBatch()
         for layer, layer_states in zip(layers, states, strict=True):
             state = layer_states[0]
-            c2, k2 = self._squares.get(
-                layer,
-                (state["C"]["diag"], state["K"]["diag"]),
-                lambda c, k: (upcast(c).square(), upcast(k).square()),
-            )
-            batch.add(layer, layer_states, c2, k2, "momentum_buffer" if momentum != 0.0 else None)
+            squares = self._squares.get(layer, (state["C"]["diag"], state["K"]["diag"]), _squares)
+            buf_key = "momentum_buffer" if momentum != 0.0 else None
+            batch.add(layer, layer_states, squares.c2, squares.k2, buf_key)
         ops.diag_precond_step_(
             *batch.lists(),
             mode="singd",
@@ -142,21 +142,24 @@ class SingdRule(LayerRule):
         )
         batch.write_back()
 
-    def _update_diagonal_factors(self, state, pending, group: dict, step: int) -> None:
-        """The diagonal factor update of both sides in one :func:`diag_factor_update_`."""
+    def _update_diagonal_factors(self, layer, state, pending, group: dict, step: int) -> None:
+        """The diagonal factor update of both sides in one :func:`diag_factor_update_`,
+        its scalars in the layer's cached buffers (no allocation)."""
         k, c = state["K"]["diag"], state["C"]["diag"]
         acc = torch.float64 if k.dtype == torch.float64 else torch.float32
         h_K = pending["in"].parts["diag"].to(acc)
         h_C = pending["out"].parts["diag"].to(acc)
+        squares = self._squares.get(layer, (c, k), _squares)
         if group["kfac_like"]:
             alpha1, a, b = 0.0, (), ()
         else:
             alpha1 = group["alpha1"]
-            a = (h_C.mean().reshape(1), h_K.mean().reshape(1))  # tr̄(H) of the other side
-            b = (  # tr̄(Π̂(otherᵀ other)), rounded like project_inner's storage
-                upcast(c).square().to(c.dtype).to(acc).mean().reshape(1),
-                upcast(k).square().to(k.dtype).to(acc).mean().reshape(1),
-            )
+            means = squares.means  # tr̄(H) of the other side
+            torch.sum(h_C, 0, keepdim=True, out=means[0:1])
+            torch.sum(h_K, 0, keepdim=True, out=means[1:2])
+            means.mul_(squares.inv_dims)
+            a = (means[0:1], means[1:2])
+            b = (squares.traces[0:1], squares.traces[1:2])  # tr̄(Π̂(otherᵀ other))
         ops.diag_factor_update_(
             [k, c],
             [state["m_K"]["diag"], state["m_C"]["diag"]],
@@ -167,6 +170,7 @@ class SingdRule(LayerRule):
             beta1=scheduled(group["lr_cov"], step),
             damping=scheduled(group["damping"], step),
         )
+        self._squares.forget(layer)  # read above; the factors changed
 
     def accumulate_shared(self, layer, group, pending, a: Tensor, g: Tensor) -> None:
         """K-free statistics Π̂(aᵀa), Π̂(gᵀg) (dense Gram for structures that need it);
@@ -185,11 +189,11 @@ class SingdRule(LayerRule):
         pending["out"] = congruence(f["C"], pending["out"])
 
     def update_factors(self, layer, group, state, pending, step: int) -> None:
-        self._squares.forget(layer)
         self._outer.forget(layer)
         if self._diagonal(group) and not group["normalize_lr_cov"]:
-            self._update_diagonal_factors(state, pending, group, step)
+            self._update_diagonal_factors(layer, state, pending, group, step)
             return
+        self._squares.forget(layer)
         f = self._factors(layer, group, state)
         K, C, H_K, H_C = f["K"], f["C"], pending["in"], pending["out"]
         dtype = accumulation_dtype(K.dtype, C.dtype, H_K.dtype)
@@ -228,7 +232,7 @@ class SingdRule(LayerRule):
         saves one d·w·d_other product, so a side is cached when 2w <= T·d_other."""
         period = scheduled(group["T"], step)
 
-        def derive(*_):
+        def derive(*_, out):  # new structured matrices: the old ones are not reused
             pair = []
             for side, other_dim in (("C", layer.dim_in), ("K", layer.dim_out)):
                 factor = f[side]
@@ -251,6 +255,40 @@ class SingdRule(LayerRule):
         right = K.matmul(K.rmatmul(G.T)) if KKt is None else KKt.matmul(G.T)  # (G K Kᵀ)ᵀ
         natural = C.matmul(C.rmatmul(right.T)) if CCt is None else CCt.matmul(right.T)
         sgd_update_(layer.params, split_matrix(layer, natural), states, group, seed)
+
+
+class DiagonalSquares(NamedTuple):
+    """Buffers of one layer on the diagonal path, derived from its factors c (d_C) and k
+    (d_K), all in the accumulation dtype: c² and k²; ``traces`` (2,): tr̄ of c² and k² as
+    rounded to the storage dtype (Π̂(CᵀC), Π̂(KᵀK) as ``project_inner`` stores them);
+    ``means`` (2,): scratch for tr̄(H_C), tr̄(H_K); ``inv_dims`` (2,): 1/d_C, 1/d_K;
+    ``rounded``: storage-dtype scratch (half storage only). Averages are sums times
+    ``inv_dims``: a Python-scalar division would allocate a 0-dim tensor."""
+
+    c2: Tensor
+    k2: Tensor
+    traces: Tensor
+    means: Tensor
+    inv_dims: Tensor
+    rounded: tuple[Tensor, Tensor] | None
+
+
+def _squares(c: Tensor, k: Tensor, out: DiagonalSquares | None = None) -> DiagonalSquares:
+    """:class:`DiagonalSquares` of the factors c and k, into ``out``'s buffers if given."""
+    acc = accumulation_dtype(c.dtype)
+    if out is None:
+        new = partial(c.new_empty, dtype=acc)
+        inv_dims = torch.tensor([1 / max(c.numel(), 1), 1 / max(k.numel(), 1)], dtype=acc)
+        rounded = (torch.empty_like(c), torch.empty_like(k)) if c.dtype != acc else None
+        out = DiagonalSquares(
+            new(c.shape), new(k.shape), new(2), new(2), inv_dims.to(c.device), rounded
+        )
+    for i, (factor, square) in enumerate(((c, out.c2), (k, out.k2))):
+        square.copy_(factor).square_()
+        stored = square if out.rounded is None else out.rounded[i].copy_(square)
+        torch.sum(stored, 0, keepdim=True, dtype=acc, out=out.traces[i : i + 1])
+    out.traces.mul_(out.inv_dims)
+    return out
 
 
 class SINGD(KroneckerOptimizer):

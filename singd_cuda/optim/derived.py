@@ -1,0 +1,46 @@
+"""Values derived from a layer's factors, kept between factor updates.
+
+The diagonal paths precondition with vectors computed from the factors (SINGD's c² and
+k², AdaFisher's normalised s′ and h′); the dense paths with K Kᵀ and C Cᵀ. They change
+only when the factors do, so a step without a factor update reuses them, and the step
+after an update recomputes them into the same buffers: no step allocates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import Tensor
+
+from ..curvature.layers import Layer
+
+# derive(*sources, out=previous values or None) -> values; with ``out`` it writes into
+# those buffers and returns them (a derive that cannot may ignore ``out``)
+Derive = Callable[..., tuple]
+
+
+class DerivedCache:
+    """One entry per layer: (sources, values, fresh).
+
+    An entry is valid while the source tensors are the same objects (a loaded checkpoint
+    brings new ones) and until :meth:`forget` (called by every factor update of the
+    layer); a stale entry with the same sources lends its buffers to the recomputation.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[int, list] = {}
+
+    def get(self, layer: Layer, sources: tuple[Tensor, ...], derive: Derive) -> tuple:
+        entry = self._entries.get(id(layer))
+        same = entry is not None and all(a is b for a, b in zip(entry[0], sources, strict=True))
+        if same and entry[2]:
+            return entry[1]
+        values = derive(*sources, out=entry[1] if same else None)
+        self._entries[id(layer)] = [sources, values, True]
+        return values
+
+    def forget(self, layer: Layer) -> None:
+        """Mark the layer's values stale (its factors changed)."""
+        entry = self._entries.get(id(layer))
+        if entry is not None:
+            entry[2] = False

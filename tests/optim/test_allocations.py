@@ -1,0 +1,55 @@
+"""The diagonal SINGD and AdaFisher steps allocate nothing once warm: neither a step without
+a factor update nor an update step (every step at T = 1). Derived vectors (c², k², s′, h′)
+are recomputed into their buffers and no Python-scalar arithmetic wraps a 0-dim tensor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import singd_cuda.ops as ops
+from singd_cuda import SINGD, AdaFisher
+from singd_cuda.optim.adafisher import min_max_normalise
+
+from .conftest import MODELS, loss_fn, random_batches
+
+CASES = {
+    "singd-diagonal": (SINGD, dict(structures="diagonal", lr_cov=0.05)),
+    "ikfac-diagonal": (SINGD, dict(structures="diagonal", kfac_like=True)),
+    "adafisher": (AdaFisher, dict()),
+}
+
+
+def allocated_bytes(fn) -> int:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return sum(max(e.self_cpu_memory_usage, 0) for e in prof.events())
+
+
+@pytest.mark.skipif(not ops.fused_available("cpu"), reason="fused ops not built")
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_warm_steps_allocate_nothing(case, kind, T):
+    cls, hyper = CASES[case]
+    model = MODELS[kind]()
+    opt = cls(model, lr=0.01, T=T, **hyper)
+    batches = random_batches(kind, 2 * T + 3)
+    for step, (x, y) in enumerate(batches):
+        opt.zero_grad(set_to_none=False)
+        loss_fn(model(x), y).backward()
+        if step < 2 * T:
+            opt.step()  # warm-up: states, buffers and derived vectors exist now
+            continue
+        assert allocated_bytes(opt.step) == 0, f"step {step} (update: {step % T == 0})"
+
+
+def test_min_max_normalise():
+    v = torch.tensor([3.0, -1.0, 1.0, 7.0])
+    torch.testing.assert_close(min_max_normalise(v), (v + 1) / 8)
+    torch.testing.assert_close(min_max_normalise(torch.full((3,), 2.5)), torch.ones(3))
+    half = torch.tensor([1.0, 3.0], dtype=torch.bfloat16)
+    out = torch.empty(2)  # into a float32 buffer, from bfloat16
+    assert min_max_normalise(half, out) is out
+    torch.testing.assert_close(out, torch.tensor([0.0, 1.0]))
