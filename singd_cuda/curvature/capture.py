@@ -29,7 +29,8 @@ StatisticsCallback = Callable[[Layer, Tensor, Tensor], None]
 
 
 class CurvatureCapture:
-    """Installs the hooks; ``micro_batches`` counts the model's backpropagated forwards."""
+    """Installs the hooks; ``micro_batches`` counts the model's backpropagated forwards
+    on steps that take statistics."""
 
     def __init__(
         self,
@@ -40,6 +41,7 @@ class CurvatureCapture:
     ) -> None:
         self._wants_statistics = wants_statistics
         self._on_statistics = on_statistics
+        self._layers = layers
         self.micro_batches = 0
         self._handles = [
             layer.module.register_forward_hook(partial(self._forward_hook, layer))
@@ -48,8 +50,11 @@ class CurvatureCapture:
         self._handles.append(model.register_forward_hook(self._count_on_backward))
 
     def _count_on_backward(self, module: nn.Module, inputs, output) -> None:
-        """Count this forward as a micro-batch once a gradient reaches its output."""
+        """Count this forward as a micro-batch once a gradient reaches its output (only
+        on steps that take statistics: the count normalises them and nothing else)."""
         if not (torch.is_grad_enabled() and module.training):
+            return
+        if not any(self._wants_statistics(layer) for layer in self._layers):
             return
         outputs = [t for t in _tensors(output) if t.requires_grad]
         reached = False
