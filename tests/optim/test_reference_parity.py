@@ -95,6 +95,14 @@ def test_parity_with_singd_0_0_5(kind, structure, T):
         torch.testing.assert_close(
             ours, theirs, rtol=RTOL, atol=ATOL, msg=lambda m, n=label: f"{n}: {m}"
         )
+    if T == 3 and structure in ("dense", "hierarchical:15,15"):
+        # these sizes take the cached K Kᵀ / C Cᵀ at T = 3 (and two products at T = 1)
+        cached = [
+            v
+            for _, values, _ in opt.rule_for(opt.param_groups[0])._outer._entries.values()
+            for v in values
+        ]
+        assert any(v is not None for v in cached)
 
 
 def test_parity_ikfac_dense():
