@@ -53,3 +53,21 @@ def test_min_max_normalise():
     out = torch.empty(2)  # into a float32 buffer, from bfloat16
     assert min_max_normalise(half, out) is out
     torch.testing.assert_close(out, torch.tensor([0.0, 1.0]))
+
+
+@pytest.mark.parametrize("factor_dtype", [torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", list(CASES))
+def test_factor_dtype_other_than_the_weights(case, factor_dtype):
+    """The cached buffers follow the factors' accumulation dtype, the statistics the
+    weights': float64 or bfloat16 factors on a float32 model train (and stay finite)."""
+    cls, hyper = CASES[case]
+    model = MODELS["mlp"]()
+    opt = cls(model, lr=0.01, T=1, factor_dtype=factor_dtype, **hyper)
+    for x, y in random_batches("mlp", 3):
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    state = opt.state[model[0].weight]
+    factors = [state["K"]["diag"], state["C"]["diag"]] if cls is SINGD else [state["h"], state["s"]]
+    assert all(f.dtype == factor_dtype for f in factors)
