@@ -237,9 +237,8 @@ class SingdRule(LayerRule):
             for side, other_dim in (("C", layer.dim_in), ("K", layer.dim_out)):
                 factor = f[side]
                 worth = 2 * type(factor).row_width(factor.dim) <= period * other_dim
-                pair.append(
-                    factor.times_transpose() if worth and factor.has_times_transpose else None
-                )
+                cheap = type(factor).has_times_transpose(factor.dim)
+                pair.append(factor.times_transpose() if worth and cheap else None)
             return tuple(pair)
 
         sources = (*state["C"].values(), *state["K"].values())

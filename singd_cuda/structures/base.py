@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
+SMALL_DENSE_DIM = 128  # up to this dimension a dense d x d temporary is cheap
 
 
 def accumulation_dtype(*dtypes: torch.dtype) -> torch.dtype:
@@ -60,7 +61,6 @@ class StructuredMatrix(ABC):
     default_values: ClassVar[tuple[int, ...]] = ()
     part_names: ClassVar[tuple[str, ...]]
     family: ClassVar[type[StructuredMatrix] | None] = None
-    has_times_transpose: ClassVar[bool] = False  # K Kᵀ has a cheap form (times_transpose)
 
     def __init__(self, dim: int, **parts: Tensor) -> None:
         if set(parts) != set(self.part_names):
@@ -162,16 +162,28 @@ class StructuredMatrix(ABC):
     def trace(self) -> Tensor:
         """Scalar tensor: the trace, in the accumulation dtype."""
 
-    # ------------------------------------------------ optional: K Kᵀ in a cheap form
+    # --------------------------------------------------------- K Kᵀ in a cheap form
+    @classmethod
+    def has_times_transpose(cls, d: int) -> bool:
+        """Whether :meth:`times_transpose` is available for dimension d: always for the
+        families with a structured K Kᵀ, and for any family while a dense d x d K Kᵀ is
+        small (d <= 128: at most 64 KiB in float32)."""
+        return d <= SMALL_DENSE_DIM
+
     def times_transpose(self):
         """K Kᵀ, exactly, as an object with ``matmul(X)`` (a member of the family for
-        families closed under transpose), in the accumulation dtype (float32 for half
-        storage, so that a large K Kᵀ cannot overflow float16).
+        families closed under transpose, else dense for small d), in the accumulation
+        dtype (float32 for half storage, so that a large K Kᵀ cannot overflow float16).
 
-        Only for structures with ``has_times_transpose``; the optimizers cache it between
-        factor updates to precondition with one product per side instead of two.
+        Only where :meth:`has_times_transpose`; the optimizers cache it between factor
+        updates to precondition with one product per side instead of two.
         """
-        raise NotImplementedError(f"K Kᵀ of a {self.spec()} factor has no cheap form")
+        if not self.has_times_transpose(self.dim):
+            raise NotImplementedError(f"K Kᵀ of a {self.spec()} factor has no cheap form")
+        from .dense import Dense  # dense.py builds on this module
+
+        K = upcast(self.to_dense())
+        return Dense(self.dim, mat=K @ K.T)
 
     @classmethod
     def row_width(cls, d: int) -> int:

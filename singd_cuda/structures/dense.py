@@ -13,7 +13,6 @@ class Dense(StructuredMatrix):
 
     name = "dense"
     part_names = ("mat",)
-    has_times_transpose = True
 
     @classmethod
     def from_dense(cls, M: Tensor) -> Dense:
@@ -57,6 +56,10 @@ class Dense(StructuredMatrix):
         diag = self.parts["mat"].diagonal()
         store_(diag, upcast(diag).add_(alpha))
         return self
+
+    @classmethod
+    def has_times_transpose(cls, d: int) -> bool:
+        return True
 
     def times_transpose(self) -> Dense:
         mat = upcast(self.parts["mat"])

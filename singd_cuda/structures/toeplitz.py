@@ -35,12 +35,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from .base import StructuredMatrix, accumulation_dtype, upcast
+from .base import SMALL_DENSE_DIM, StructuredMatrix, accumulation_dtype, upcast
 
-# Up to this dimension matmul / rmatmul multiply by the dense d x d matrix:
-# cheaper than two FFTs there (CPU, float32, 256 columns), and d² entries are at
-# most 64 KiB in float32.
-_DIRECT_MAX_DIM = 128
 # The last lags of an autocorrelation are summed directly (see _lagged_products_sum).
 _DIRECT_TAIL = 64
 # CPU FFTs run over chunks of rows whose padded signals hold about this many floats.
@@ -242,7 +238,7 @@ class _TriangularToeplitz(StructuredMatrix):
         out_dtype = torch.promote_types(self.dtype, X.dtype)
         acc = accumulation_dtype(out_dtype)
         c, X_acc = upcast(self.parts["coeffs"], acc), upcast(X, acc)
-        if self.dim <= _DIRECT_MAX_DIM:
+        if self.dim <= SMALL_DENSE_DIM:  # the dense matrix beats two FFTs there
             T = TrilToeplitz(self.dim, coeffs=c).to_dense()
             return ((T.T if transpose else T) @ X_acc).to(out_dtype)
         if X_acc.dim() == 1:
