@@ -61,6 +61,8 @@ class StructuredMatrix(ABC):
     default_values: ClassVar[tuple[int, ...]] = ()
     part_names: ClassVar[tuple[str, ...]]
     family: ClassVar[type[StructuredMatrix] | None] = None
+    # K Kᵀ has a structured form at every size (the class overrides times_transpose)
+    structured_times_transpose: ClassVar[bool] = False
 
     def __init__(self, dim: int, **parts: Tensor) -> None:
         if set(parts) != set(self.part_names):
@@ -166,9 +168,9 @@ class StructuredMatrix(ABC):
     @classmethod
     def has_times_transpose(cls, d: int) -> bool:
         """Whether :meth:`times_transpose` is available for dimension d: always for the
-        families with a structured K Kᵀ, and for any family while a dense d x d K Kᵀ is
-        small (d <= 128: at most 64 KiB in float32)."""
-        return d <= SMALL_DENSE_DIM
+        families with ``structured_times_transpose``, and for any family while a dense
+        d x d K Kᵀ is small (d <= 128: at most 64 KiB in float32)."""
+        return cls.structured_times_transpose or d <= SMALL_DENSE_DIM
 
     def times_transpose(self):
         """K Kᵀ, exactly, as an object with ``matmul(X)`` (a member of the family for

@@ -26,6 +26,7 @@ class BlockDiagonal(StructuredMatrix):
     parameters = ("block_size",)
     default_values = (32,)
     part_names = ("blocks", "last")
+    structured_times_transpose = True
     block_size: ClassVar[int]
 
     @classmethod
@@ -127,10 +128,6 @@ class BlockDiagonal(StructuredMatrix):
     def trace(self) -> Tensor:
         blocks, last = upcast(self.parts["blocks"]), upcast(self.parts["last"])
         return blocks.diagonal(dim1=1, dim2=2).sum() + last.diagonal().sum()
-
-    @classmethod
-    def has_times_transpose(cls, d: int) -> bool:
-        return True
 
     def times_transpose(self) -> BlockDiagonal:
         """The blockwise K_k K_kᵀ."""

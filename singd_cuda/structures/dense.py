@@ -13,6 +13,7 @@ class Dense(StructuredMatrix):
 
     name = "dense"
     part_names = ("mat",)
+    structured_times_transpose = True
 
     @classmethod
     def from_dense(cls, M: Tensor) -> Dense:
@@ -56,10 +57,6 @@ class Dense(StructuredMatrix):
         diag = self.parts["mat"].diagonal()
         store_(diag, upcast(diag).add_(alpha))
         return self
-
-    @classmethod
-    def has_times_transpose(cls, d: int) -> bool:
-        return True
 
     def times_transpose(self) -> Dense:
         mat = upcast(self.parts["mat"])

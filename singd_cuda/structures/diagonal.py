@@ -13,6 +13,7 @@ class Diagonal(StructuredMatrix):
 
     name = "diagonal"
     part_names = ("diag",)
+    structured_times_transpose = True
 
     @classmethod
     def from_dense(cls, M: Tensor) -> Diagonal:
@@ -54,10 +55,6 @@ class Diagonal(StructuredMatrix):
 
     def trace(self) -> Tensor:
         return upcast(self.parts["diag"]).sum()
-
-    @classmethod
-    def has_times_transpose(cls, d: int) -> bool:
-        return True
 
     def times_transpose(self) -> Diagonal:
         return type(self)(self.dim, diag=upcast(self.parts["diag"]).square())

@@ -37,6 +37,7 @@ class Hierarchical(StructuredMatrix):
     parameters = ("k1", "k2")
     default_values = (15, 15)
     part_names = ("A", "B", "c", "D", "E")
+    structured_times_transpose = True
     k1: ClassVar[int]
     k2: ClassVar[int]
 
@@ -184,10 +185,6 @@ class Hierarchical(StructuredMatrix):
         for diag in (self.parts["A"].diagonal(), self.parts["c"], self.parts["E"].diagonal()):
             store_(diag, upcast(diag).add_(alpha))
         return self
-
-    @classmethod
-    def has_times_transpose(cls, d: int) -> bool:
-        return True
 
     def times_transpose(self) -> SymmetricArrow:
         """K Kᵀ: its border rows K_b Kᵀ (K_b the first k1 and last k2 rows of K) and c²."""
