@@ -80,22 +80,26 @@ def input_matrix(layer: Layer, x: Tensor, dtype: torch.dtype) -> Tensor:
     return a / math.sqrt(max(a.shape[0], 1))
 
 
-def grad_output_matrix(layer: Layer, grad: Tensor, loss_average: str | None, dtype) -> Tensor:
-    """g: (N, d_C) in ``dtype``, the output gradient scaled by √L (L loss terms)."""
-    grad = grad.detach().to(dtype)
+def _batched_grad(layer: Layer, grad: Tensor, loss_average: str | None) -> tuple[Tensor, int]:
+    """(grad with a batch dimension for conv layers, L): L the number of loss terms the
+    loss averages over (batch, or batch times positions for "batch+sequence")."""
     if isinstance(layer.module, nn.Conv2d):
         if grad.dim() == 3:
             grad = grad.unsqueeze(0)
-        num_terms = grad.shape[0] * (
-            grad.shape[2:].numel() if loss_average == "batch+sequence" else 1
-        )
+        positions = grad.shape[2:].numel() if loss_average == "batch+sequence" else 1
+        return grad, grad.shape[0] * positions
+    leading = grad.shape[:-1]
+    if loss_average == "batch+sequence":
+        return grad, leading.numel()
+    return grad, leading[0] if len(leading) else 1
+
+
+def grad_output_matrix(layer: Layer, grad: Tensor, loss_average: str | None, dtype) -> Tensor:
+    """g: (N, d_C) in ``dtype``, the output gradient scaled by √L (L loss terms)."""
+    grad, num_terms = _batched_grad(layer, grad.detach().to(dtype), loss_average)
+    if isinstance(layer.module, nn.Conv2d):
         g = grad.permute(0, 2, 3, 1).reshape(-1, grad.shape[1])
     else:
-        leading = grad.shape[:-1]
-        if loss_average == "batch+sequence":
-            num_terms = leading.numel()
-        else:
-            num_terms = leading[0] if len(leading) else 1
         g = grad.reshape(-1, grad.shape[-1])
     if loss_average is None:
         return g
@@ -143,21 +147,9 @@ def grad_output_sum_squares(
     """diag(gᵀg) of :func:`grad_output_matrix`, in one pass over the output gradient."""
     from ..ops import col_sum_squares
 
-    grad = grad.detach()
-    if isinstance(layer.module, nn.Conv2d):
-        if grad.dim() == 3:
-            grad = grad.unsqueeze(0)
-        num_terms = grad.shape[0] * (
-            grad.shape[2:].numel() if loss_average == "batch+sequence" else 1
-        )
-        s = col_sum_squares(grad, 1)
-    else:
-        leading = grad.shape[:-1]
-        if loss_average == "batch+sequence":
-            num_terms = leading.numel()
-        else:
-            num_terms = leading[0] if len(leading) else 1
-        s = col_sum_squares(grad, -1)
+    grad, num_terms = _batched_grad(layer, grad.detach(), loss_average)
+    conv = isinstance(layer.module, nn.Conv2d)
+    s = col_sum_squares(grad, 1 if conv else -1)
     s = s.to(dtype)
     return s if loss_average is None else s.mul_(float(num_terms))
 
