@@ -38,10 +38,13 @@ class CurvatureCapture:
         layers: list[Layer],
         wants_statistics: Callable[[Layer], bool],
         on_statistics: StatisticsCallback,
+        wants_any_statistics: Callable[[], bool],
     ) -> None:
+        """``wants_any_statistics()`` is ``any(wants_statistics(l) for l in layers)``,
+        computed cheaply by the owner (it runs on every model forward)."""
         self._wants_statistics = wants_statistics
         self._on_statistics = on_statistics
-        self._layers = layers
+        self._wants_any_statistics = wants_any_statistics
         self.micro_batches = 0
         self._handles = [
             layer.module.register_forward_hook(partial(self._forward_hook, layer))
@@ -54,7 +57,7 @@ class CurvatureCapture:
         on steps that take statistics: the count normalises them and nothing else)."""
         if not (torch.is_grad_enabled() and module.training):
             return
-        if not any(self._wants_statistics(layer) for layer in self._layers):
+        if not self._wants_any_statistics():
             return
         outputs = [t for t in _tensors(output) if t.requires_grad]
         reached = False

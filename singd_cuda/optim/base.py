@@ -279,6 +279,7 @@ class KroneckerOptimizer(Optimizer):
         self._layer_group = {
             layer: self._param_group[id(layer.weight)] for layer in self._layers + self._norm_layers
         }
+        self._statistics_groups = sorted(set(self._layer_group.values()))
         in_layers = {id(p) for layer in self._layers + self._norm_layers for p in layer.params}
         self._fallback_params = [
             p for g in self.param_groups for p in g["params"] if id(p) not in in_layers
@@ -286,7 +287,11 @@ class KroneckerOptimizer(Optimizer):
         if self._capture is not None:
             self._capture.remove()
         self._capture = CurvatureCapture(
-            model, self._layers + self._norm_layers, self._wants_statistics, self._on_statistics
+            model,
+            self._layers + self._norm_layers,
+            self._wants_statistics,
+            self._on_statistics,
+            self._any_wants_statistics,
         )
         self._param_index = {  # new groups append: existing indices (rounding seeds) stay
             id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])
@@ -341,7 +346,14 @@ class KroneckerOptimizer(Optimizer):
 
     # ---------------------------------------------------------- statistics
     def _wants_statistics(self, layer: Layer) -> bool:
-        group = self.group_of(layer)
+        return self._group_wants_statistics(self.group_of(layer))
+
+    def _any_wants_statistics(self) -> bool:
+        """Whether some layer takes statistics this step (one check per group with layers)."""
+        groups = map(self.param_groups.__getitem__, self._statistics_groups)
+        return any(map(self._group_wants_statistics, groups))
+
+    def _group_wants_statistics(self, group: dict) -> bool:
         return group["step"] % self.update_period(group) == 0
 
     def update_period(self, group: dict) -> int:
