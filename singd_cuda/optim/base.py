@@ -186,6 +186,7 @@ class KroneckerOptimizer(Optimizer):
         super().__init__(params, {**self.common_defaults, **defaults, "step": 0})
         self._pending: dict[Layer, dict] = {}
         self._created: list[Tensor] = []  # states first created by this step's statistics
+        self._finite_buffers: dict[torch.device, tuple[Tensor, Tensor]] = {}
         self._capture: CurvatureCapture | None = None
         self._index_model()
         self._sync: Synchronizer | None = None
@@ -462,7 +463,7 @@ class KroneckerOptimizer(Optimizer):
 
     def _found_buffer(self, device: torch.device) -> tuple[Tensor, Tensor]:
         """Reused (found_inf, 1.0) pair of :meth:`_grads_finite` (no allocation per step)."""
-        buffers = self.__dict__.setdefault("_finite_buffers", {})
+        buffers = self._finite_buffers
         if device not in buffers:
             buffers[device] = (torch.zeros(1, device=device), torch.ones(1, device=device))
         found, one = buffers[device]
@@ -568,11 +569,6 @@ class KroneckerOptimizer(Optimizer):
         if rule.fuses_apply(group):
             fused.setdefault(self._layer_group[layer], []).append(layer)
             return
-        self._apply(layer, grad_scale)
-
-    def _apply(self, layer: Layer, grad_scale: Tensor | None) -> None:
-        group = self.group_of(layer)
-        rule = self.rule_for(group)
         G = gradient_matrix(layer, accumulation_dtype(layer.weight.dtype))
         if grad_scale is not None:
             G = G / grad_scale.to(G.device, G.dtype)
