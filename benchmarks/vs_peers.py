@@ -190,27 +190,9 @@ class Runner:
         return count, size
 
 
-def cache_bytes(opt: torch.optim.Optimizer) -> int:
-    """Bytes of ours' derived caches between factor updates (K Kᵀ, C Cᵀ, c², k², ...)."""
-    tensors: dict[int, int] = {}
-
-    def walk(value) -> None:
-        if isinstance(value, torch.Tensor):
-            tensors[value.untyped_storage().data_ptr()] = value.untyped_storage().nbytes()
-        elif isinstance(value, list | tuple):
-            for item in value:
-                walk(item)
-        elif hasattr(value, "parts"):  # structured matrices, K Kᵀ operators
-            walk(list(value.parts.values()))
-
-    for rule in getattr(opt, "_rules", {}).values():
-        for cache in vars(rule).values():
-            for _, values, _ in getattr(cache, "_entries", {}).values():
-                walk(values)
-    return sum(tensors.values())
-
-
-def state_bytes(opt: torch.optim.Optimizer) -> int:
+def tensor_bytes(*values) -> int:
+    """Storage bytes of every tensor reachable from ``values`` (through dicts, lists,
+    tuples and plain objects such as structured matrices), each storage counted once."""
     seen: set[int] = set()
 
     def walk(value) -> int:
@@ -228,10 +210,25 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
             return sum(walk(v) for v in vars(value).values())
         return 0
 
-    total = walk(dict(opt.state))
-    for name in ("Ks", "Cs", "m_Ks", "m_Cs"):  # PyPI singd keeps its factors here
-        total += walk(getattr(opt, name, {}))
-    return total
+    return sum(walk(value) for value in values)
+
+
+def cache_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of ours' derived caches between factor updates (K Kᵀ, C Cᵀ, c², k², ...)."""
+    return tensor_bytes(
+        *(
+            values
+            for rule in getattr(opt, "_rules", {}).values()
+            for cache in vars(rule).values()
+            for _, values, _ in getattr(cache, "_entries", {}).values()
+        )
+    )
+
+
+def state_bytes(opt: torch.optim.Optimizer) -> int:
+    # PyPI singd keeps its factors in Ks, Cs, m_Ks, m_Cs
+    peer = (getattr(opt, name, {}) for name in ("Ks", "Cs", "m_Ks", "m_Cs"))
+    return tensor_bytes(dict(opt.state), *peer)
 
 
 def build_runners(kind: str, structures: list[str], T: int, autocast, competitors: list[str]):
