@@ -97,7 +97,7 @@ def min_max_normalise(v: Tensor, out: Tensor | None = None, scratch: Tensor | No
     is allocated (hence no Python-scalar arithmetic, which would allocate 0-dim tensors).
     """
     if out is None:
-        out = v.clone()
+        out = torch.empty_like(v)
     if scratch is None:
         scratch = normalise_scratch(out)
     low, span, constant, one = scratch.unbind()
