@@ -1,106 +1,318 @@
-"""Curvature capture: forward hooks that hand (layer, input, grad_output) to a callback.
+"""Curvature capture: statistics that follow the gradients ``step()`` uses.
 
-A forward hook on each layer records the input and registers a tensor hook on
-the output, so the statistics are taken on the backward pass (this works with
-in-place activations after the layer, unlike full backward hooks). Capture
-happens only when the owner asks for it, grad is enabled and the module trains,
-so eval / no_grad forwards between steps change nothing. With reentrant
-activation checkpointing the first forward runs without grad and only the
-recomputation is captured; with non-reentrant checkpointing the recomputed
-output is never backpropagated, so its hook never fires: no double counting.
+The contract (README, "What counts as curvature"): a backward pass's statistics of a
+layer count exactly when that pass accumulates into the ``.grad`` of the layer's weight.
 
-Micro-batches (gradient accumulation) are counted the same way: a model
-forward counts once the backward reaches its output, so a recomputed forward
-(checkpointing the whole model) or a forward that is never backpropagated
-does not count.
+How:
+
+* A forward hook on each module of a layer (on steps that take statistics, with grad
+  enabled and the weight trainable) keeps the input and puts a tensor hook on the output.
+* In the backward, the output hook computes the call's statistics (through the owner)
+  and *stages* them for this backward pass.
+* The weight's post-accumulate-grad hook *commits* what was staged: it runs once per
+  backward pass, after every use of the weight in that pass (autograd sums the uses
+  before it accumulates), so shared weights and modules called twice commit once.
+* A callback at the end of the backward pass drops whatever was staged and not
+  committed: ``torch.autograd.grad``, a frozen weight, ``backward(inputs=...)`` without
+  the weight leave nothing behind.
+* A gradient reset (``.grad`` is None when the pass begins: ``zero_grad``, a new step)
+  discards the statistics committed before it, as it discards the gradient; the owner
+  calls :meth:`discard` on its own ``zero_grad`` (which may keep zero-filled grads).
+
+Counting (so that any split of one batch gives that batch's statistics): a *model
+forward* (one call of the hooked model, or, without one, what runs between two backward
+passes) has a number of loss terms w (its batch size, or batch x positions); every call
+of a layer within it is weighted by w on the input side, the output side is kept as raw
+sums, and the owner divides by / multiplies with the total of w over the committed
+forwards (see :class:`Committed`). Empty batches have w = 0 and count for nothing.
+
+Nothing runs under ``torch.func`` transforms, in ``no_grad``, or for frozen weights;
+``module.training`` does not matter (models train with frozen BatchNorm or dropout).
+Hooks hold the capture weakly and drop out of copies and pickles of the model, so
+``copy.deepcopy(model)`` and ``torch.save(model)`` work and a collected optimizer leaves
+no working hook behind.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from functools import partial
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 
 from .layers import Layer
 
-StatisticsCallback = Callable[[Layer, Tensor, Tensor], None]
+Statistics = dict  # "in" / "out" -> statistic (a tensor or structured matrix, add_/mul_)
+
+
+class CaptureOwner(Protocol):
+    """What the capture asks of the optimizer that owns it."""
+
+    def _wants_statistics(self, layer: Layer) -> bool:
+        """Whether ``layer`` takes statistics on the current step."""
+
+    def _loss_terms(self, layer: Layer, output: Tensor) -> int:
+        """w of one call: the loss terms its output (or output gradient) covers."""
+
+    def _accumulate_statistics(
+        self,
+        layer: Layer,
+        layer_input: Tensor,
+        grad_output: Tensor,
+        weight: float,
+        into: Statistics,
+    ) -> None:
+        """Add one call's statistics to ``into``: the input side weighted by ``weight``
+        (w of its forward), the output side as the raw gradient's."""
+
+
+@dataclass
+class Committed:
+    """Statistics of one layer committed since the last step, and their total w."""
+
+    statistics: Statistics = field(default_factory=dict)
+    terms: float = 0.0
+    forwards: set[int] = field(default_factory=set)  # forwards counted in ``terms``
+    direct: bool = False  # committed without a gradient (:meth:`CurvatureCapture.direct`)
+
+
+@dataclass
+class _Staged:
+    """Statistics of one layer in the running backward pass, not committed yet."""
+
+    statistics: Statistics = field(default_factory=dict)
+    forwards: dict[int, float] = field(default_factory=dict)  # forward -> w
+    after_reset: bool = False  # the weight's .grad was None when the pass began
+
+
+def merge_statistics(into: Statistics, new: Statistics) -> None:
+    """into += new, key by key (keys only in ``new`` are moved over)."""
+    for key, value in new.items():
+        if key in into:
+            into[key].add_(value)
+        else:
+            into[key] = value
 
 
 class CurvatureCapture:
-    """Installs the hooks; ``micro_batches`` counts the model's backpropagated forwards
-    on steps that take statistics."""
+    """The hooks of one optimizer on one model (see the module docstring).
 
-    def __init__(
-        self,
-        model: nn.Module,
-        layers: list[Layer],
-        wants_statistics: Callable[[Layer], bool],
-        on_statistics: StatisticsCallback,
-        wants_any_statistics: Callable[[], bool],
-    ) -> None:
-        """``wants_any_statistics()`` is ``any(wants_statistics(l) for l in layers)``,
-        computed cheaply by the owner (it runs on every model forward)."""
-        self._wants_statistics = wants_statistics
-        self._on_statistics = on_statistics
-        self._wants_any_statistics = wants_any_statistics
-        self.micro_batches = 0
+    ``committed`` maps layers to :class:`Committed`; ``accumulated`` holds the layers
+    whose weight received a gradient since the last :meth:`reset` (on any step).
+    """
+
+    def __init__(self, model: nn.Module, layers: list[Layer], owner: CaptureOwner) -> None:
+        self._owner = weakref.proxy(owner)
+        self.committed: dict[Layer, Committed] = {}
+        self.accumulated: set[Layer] = set()
+        self.excluded: set[Layer] = set()  # layers the owner no longer preconditions
+        self.taken_over = False  # another optimizer's capture hooks these modules now
+        self._staged: dict[Layer, _Staged] = {}
+        self._forward = 0
+        self._forward_terms: dict[tuple[Layer, int], float] = {}
+        self._callback_queued = False
+        self._direct = False
+        self._grad_hooks: dict[int, object] = {}
+        ref = weakref.ref(self)
         self._handles = [
-            layer.module.register_forward_hook(partial(self._forward_hook, layer))
+            module.register_forward_hook(_Hook(ref, "_on_forward", layer), with_kwargs=True)
             for layer in layers
+            for module in layer.modules
         ]
-        self._handles.append(model.register_forward_hook(self._count_on_backward))
+        self._handles.append(model.register_forward_pre_hook(_Hook(ref, "_on_model_forward")))
+        self._layers = list(layers)
+        for layer in layers:
+            self._hook_weight(layer)
+        # a collected capture (its optimizer dropped) takes its hooks with it
+        weakref.finalize(self, _remove_handles, self._handles, self._grad_hooks)
 
-    def _count_on_backward(self, module: nn.Module, inputs, output) -> None:
-        """Count this forward as a micro-batch once a gradient reaches its output (only
-        on steps that take statistics: the count normalises them and nothing else)."""
-        if not (torch.is_grad_enabled() and module.training):
-            return
-        if not self._wants_any_statistics():
-            return
-        outputs = [t for t in _tensors(output) if t.requires_grad]
-        reached = False
+    # ------------------------------------------------------------- forward
+    def _on_model_forward(self, module: nn.Module, args) -> None:
+        self._forward += 1
 
-        def on_grad(grad: Tensor) -> None:
-            nonlocal reached
-            if not reached:  # once per forward, however many outputs it has
-                reached = True
-                self.micro_batches += 1
-
-        for tensor in outputs:
-            tensor.register_hook(on_grad)
-
-    def _forward_hook(self, layer: Layer, module: nn.Module, inputs, output) -> None:
-        if not (torch.is_grad_enabled() and module.training and isinstance(output, Tensor)):
+    def _hook_weight(self, layer: Layer) -> None:
+        """The post-accumulate-grad hook of the layer's weight (once it can take one)."""
+        weight = layer.weight
+        if id(weight) in self._grad_hooks or not weight.requires_grad:
             return
-        if not output.requires_grad or not self._wants_statistics(layer):
+        hook = _Hook(weakref.ref(self), "_on_accumulated", layer)
+        self._grad_hooks[id(weight)] = weight.register_post_accumulate_grad_hook(hook)
+
+    def _on_forward(self, layer: Layer, module: nn.Module, args, kwargs, output) -> None:
+        if not (torch.is_grad_enabled() and isinstance(output, Tensor) and output.requires_grad):
             return
-        layer_input = inputs[0].detach()
+        if not layer.weight.requires_grad or layer in self.excluded:
+            return
+        if torch._C._are_functorch_transforms_active():
+            return
+        if not self._owner._wants_statistics(layer):
+            return
+        self._hook_weight(layer)  # a weight unfrozen after construction
+        layer_input = (args[0] if args else next(iter(kwargs.values()))).detach()
+        forward = self._forward
+        key = (layer, forward)
+        if key not in self._forward_terms:  # the first call of the layer in this forward
+            self._forward_terms[key] = float(self._owner._loss_terms(layer, output))
+        weight = self._forward_terms[key]
 
         def on_grad(grad_output: Tensor) -> None:
-            with torch.autocast(grad_output.device.type, enabled=False):
-                self._on_statistics(layer, layer_input, grad_output)
+            self._on_grad(layer, layer_input, grad_output, forward, weight)
 
         output.register_hook(on_grad)
 
+    # ------------------------------------------------------------ backward
+    def _on_grad(
+        self, layer: Layer, layer_input: Tensor, grad_output: Tensor, forward: int, weight: float
+    ) -> None:
+        if self._direct:
+            committed = self.committed.setdefault(layer, Committed(direct=True))
+            with torch.autocast(grad_output.device.type, enabled=False):
+                self._owner._accumulate_statistics(
+                    layer, layer_input, grad_output, weight, committed.statistics
+                )
+            self._count(committed, {forward: weight})
+            return
+        staged = self._staged.get(layer)
+        if staged is None:
+            staged = self._staged[layer] = _Staged(after_reset=layer.weight.grad is None)
+            if not self._callback_queued:
+                self._callback_queued = True
+                ref = weakref.ref(self)
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    lambda: _call(ref, "_on_backward_end")
+                )
+        with torch.autocast(grad_output.device.type, enabled=False):
+            self._owner._accumulate_statistics(
+                layer, layer_input, grad_output, weight, staged.statistics
+            )
+        staged.forwards.setdefault(forward, weight)
+
+    def _on_accumulated(self, layer: Layer, weight: Tensor) -> None:
+        self.accumulated.add(layer)
+        staged = self._staged.pop(layer, None)
+        if staged is None:
+            return
+        previous = self.committed.get(layer)
+        if staged.after_reset and previous is not None and not previous.direct:
+            del self.committed[layer]
+        committed = self.committed.setdefault(layer, Committed())
+        merge_statistics(committed.statistics, staged.statistics)
+        self._count(committed, staged.forwards)
+
+    @staticmethod
+    def _count(committed: Committed, forwards: dict[int, float]) -> None:
+        for forward, weight in forwards.items():
+            if forward not in committed.forwards:
+                committed.forwards.add(forward)
+                committed.terms += weight
+
+    def _on_backward_end(self) -> None:
+        """Drop what this backward pass staged but did not accumulate into a ``.grad``;
+        later calls belong to another forward."""
+        self._staged.clear()
+        self._callback_queued = False
+        self._forward += 1
+
+    # ------------------------------------------------------------- control
+    def direct(self) -> _DirectCommit:
+        """A context in which statistics commit at once, without a ``.grad`` (the extra
+        backward passes of a GGN capture, which accumulate no gradient by design)."""
+        return _DirectCommit(self)
+
+    def discard(self) -> None:
+        """Forget committed statistics (``zero_grad``): a thrown-away batch counts for
+        nothing."""
+        self.committed.clear()
+
     def reset(self) -> None:
-        """Forget the counted micro-batches (called after each optimizer step)."""
-        self.micro_batches = 0
+        """After a step (taken or skipped): forget statistics, counts and gradient marks."""
+        self.committed.clear()
+        self.accumulated.clear()
+        self._forward_terms.clear()
 
     def remove(self) -> None:
         """Remove every hook."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        _remove_handles(self._handles, self._grad_hooks)
+
+    def modules(self) -> set[int]:
+        """ids of the modules this capture hooks (while it has hooks)."""
+        if not self._handles:
+            return set()
+        return {id(module) for layer in self._layers for module in layer.modules}
 
 
-def _tensors(output) -> list[Tensor]:
-    """The tensors in a module output (a tensor, or tuples, lists and dicts of them)."""
-    if isinstance(output, Tensor):
-        return [output]
-    if isinstance(output, Mapping):
-        output = list(output.values())
-    if isinstance(output, list | tuple):
-        return [t for item in output for t in _tensors(item)]
-    return []
+def _remove_handles(handles: list, grad_hooks: dict) -> None:
+    for handle in [*handles, *grad_hooks.values()]:
+        handle.remove()
+    handles.clear()
+    grad_hooks.clear()
+
+
+_captures: weakref.WeakKeyDictionary[nn.Module, list] = weakref.WeakKeyDictionary()
+
+
+def take_over(model: nn.Module, capture: CurvatureCapture) -> None:
+    """Register ``capture`` as hooking ``model``. An earlier capture (of another optimizer)
+    that hooks some of the same modules stops: its hooks are removed and it is marked
+    ``taken_over``, so hooks never pile up and the earlier optimizer can say so."""
+    mine = capture.modules()
+    alive = []
+    for ref in _captures.get(model, []):
+        other = ref()
+        if other is None:
+            continue
+        if other.modules() & mine:
+            other.remove()
+            other.taken_over = True
+        else:
+            alive.append(ref)
+    _captures[model] = [*alive, weakref.ref(capture)]
+
+
+class _DirectCommit:
+    def __init__(self, capture: CurvatureCapture) -> None:
+        self._capture = capture
+
+    def __enter__(self) -> None:
+        self._capture._direct = True
+
+    def __exit__(self, *exc) -> None:
+        self._capture._direct = False
+
+
+def _call(ref: Callable[[], CurvatureCapture | None], method: str, *args):
+    capture = ref()
+    if capture is not None:
+        return getattr(capture, method)(*args)
+    return None
+
+
+class _Hook:
+    """A hook that calls ``method`` of a weakly held capture with ``bound`` args first.
+
+    It does nothing once the capture is gone, and copies or pickles of the model carry
+    a hook that does nothing (a copy of a model is not what the optimizer trains).
+    """
+
+    def __init__(self, ref, method: str, *bound) -> None:
+        self._ref, self._method, self._bound = ref, method, bound
+
+    def __call__(self, *args):
+        return _call(self._ref, self._method, *self._bound, *args)
+
+    def __deepcopy__(self, memo) -> _Hook:
+        return _inert_hook()
+
+    def __reduce__(self):
+        return (_inert_hook, ())
+
+
+def _inert_hook() -> _Hook:
+    return _Hook(_no_capture, "")
+
+
+def _no_capture() -> None:
+    return None

@@ -22,12 +22,21 @@ LOSS_AVERAGES = ("batch", "batch+sequence", None)
 
 @dataclass(eq=False)
 class Layer:
-    """One preconditioned layer: its module, its trained parameters and factor sizes."""
+    """One preconditioned layer: its module, its trained parameters and factor sizes.
+
+    ``modules`` are all the modules that hold ``weight`` (one, unless the weight is
+    shared; ``module`` is the first): their calls all add to the layer's statistics.
+    """
 
     name: str
     module: nn.Module
     weight: nn.Parameter
     bias: nn.Parameter | None  # None when absent or not trained by the optimizer
+    modules: tuple[nn.Module, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.modules:
+            self.modules = (self.module,)
 
     @property
     def dim_in(self) -> int:
@@ -78,6 +87,19 @@ def input_matrix(layer: Layer, x: Tensor, dtype: torch.dtype) -> Tensor:
     if layer.bias is not None:
         a = torch.cat([a, a.new_ones(a.shape[0], 1)], dim=1)
     return a / math.sqrt(max(a.shape[0], 1))
+
+
+def loss_terms(layer: Layer, output: Tensor, loss_average: str | None) -> int:
+    """The loss terms one call's output (or output gradient) covers: its batch size, times
+    its positions for "batch+sequence" (an unbatched input is a batch of one)."""
+    shape = output.shape
+    if isinstance(layer.module, nn.Conv2d):
+        batch = shape[0] if len(shape) == 4 else 1
+        return batch * (shape[-2:].numel() if loss_average == "batch+sequence" else 1)
+    leading = shape[:-1]
+    if loss_average == "batch+sequence":
+        return leading.numel()
+    return leading[0] if len(leading) else 1
 
 
 def _batched_grad(layer: Layer, grad: Tensor, loss_average: str | None) -> tuple[Tensor, int]:

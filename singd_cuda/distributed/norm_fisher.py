@@ -69,7 +69,8 @@ def _per_term(module: nn.Module, values: Tensor, loss_average: str | None) -> Te
     return values.reshape(values.shape[0], channels, -1).sum(-1)
 
 
-def _num_terms(module: nn.Module, grad: Tensor, loss_average: str | None) -> int:
+def num_terms(module: nn.Module, grad: Tensor, loss_average: str | None) -> int:
+    """The loss terms a norm layer's output (or output gradient) covers."""
     if isinstance(module, nn.LayerNorm):
         lead = grad.shape[: grad.dim() - len(module.normalized_shape)]
         if loss_average == "batch+sequence":
@@ -88,7 +89,7 @@ def norm_statistic(
     x = layer_input.detach().to(dtype)
     g = grad_output.detach().to(dtype)
     if loss_average is not None:
-        g = g * math.sqrt(_num_terms(module, g, loss_average))
+        g = g * math.sqrt(num_terms(module, g, loss_average))
     parts = [_per_term(module, g * _normalised(module, x), loss_average).square().sum(0)]
     if layer.bias is not None:
         parts.append(_per_term(module, g, loss_average).square().sum(0))

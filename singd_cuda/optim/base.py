@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from .. import ops
-from ..curvature.capture import CurvatureCapture
+from ..curvature.capture import CurvatureCapture, merge_statistics, take_over
 from ..curvature.layers import (
     LOSS_AVERAGES,
     SUPPORTED_LAYERS,
@@ -41,6 +41,7 @@ from ..curvature.layers import (
     gradient_matrix,
     input_matrix,
     input_sum_squares,
+    loss_terms,
 )
 from ..distributed import comm as dist_comm
 from ..distributed import norm_fisher, recipe
@@ -48,6 +49,7 @@ from ..distributed.ownership import layer_cost
 from ..distributed.synchronizer import DEFAULT_BUCKET_CAP_MB, Synchronizer
 from ..structures.base import accumulation_dtype, upcast
 from .fallback import adamw_update_
+from .finite import FactorUndo, FiniteCheck, tensors_of
 
 Schedule = float | Callable[[int], float]
 
@@ -181,13 +183,16 @@ class KroneckerOptimizer(Optimizer):
         self.model = model
         self.grad_scaler = grad_scaler
         self.nonfinite = nonfinite
-        if params is None:
-            params = [p for p in model.parameters() if p.requires_grad]
+        if params is None:  # frozen ones too: unfrozen later, they train (as torch.optim)
+            params = list(model.parameters())
         super().__init__(params, {**self.common_defaults, **defaults, "step": 0})
-        self._pending: dict[Layer, dict] = {}
+        self._pending: dict[Layer, dict] = {}  # this step's normalised statistics
         self._created: list[Tensor] = []  # states first created by this step's statistics
-        self._finite_buffers: dict[torch.device, tuple[Tensor, Tensor]] = {}
+        self._finite = FiniteCheck()
+        self._scalars: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+        self._undo = FactorUndo()
         self._capture: CurvatureCapture | None = None
+        self._used_outside: set[int] = set()  # weights found used outside their modules
         self._index_model()
         self._sync: Synchronizer | None = None
         if dist_comm.is_active(process_group):
@@ -280,20 +285,14 @@ class KroneckerOptimizer(Optimizer):
         self._layer_group = {
             layer: self._param_group[id(layer.weight)] for layer in self._layers + self._norm_layers
         }
-        self._statistics_groups = sorted(set(self._layer_group.values()))
         in_layers = {id(p) for layer in self._layers + self._norm_layers for p in layer.params}
         self._fallback_params = [
             p for g in self.param_groups for p in g["params"] if id(p) not in in_layers
         ]
         if self._capture is not None:
             self._capture.remove()
-        self._capture = CurvatureCapture(
-            model,
-            self._layers + self._norm_layers,
-            self._wants_statistics,
-            self._on_statistics,
-            self._any_wants_statistics,
-        )
+        self._capture = CurvatureCapture(model, self._layers + self._norm_layers, self)
+        take_over(model, self._capture)
         self._param_index = {  # new groups append: existing indices (rounding seeds) stay
             id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])
         }
@@ -309,16 +308,34 @@ class KroneckerOptimizer(Optimizer):
                     )
 
     def _find_layers(self, model: nn.Module) -> list[Layer]:
+        """One layer per trained weight of supported modules (several modules sharing a
+        weight make one layer). Weights that other modules hold too (an embedding tied to
+        an output layer), that a module uses without its forward, or that were found used
+        outside their modules train with the fallback instead."""
         trained = {id(p) for g in self.param_groups for p in g["params"]}
-        bypassed = bypassed_modules(model)
-        layers = []
+        skipped = bypassed_modules(model) | self._used_outside
+        holders: dict[int, list[tuple[str, nn.Module]]] = {}
         for name, module in model.named_modules():
-            if not isinstance(module, SUPPORTED_LAYERS) or id(module.weight) not in trained:
+            for param in module._parameters.values():
+                if param is not None:
+                    holders.setdefault(id(param), []).append((name, module))
+        layers, seen = [], set()
+        for name, module in model.named_modules():
+            weight = getattr(module, "weight", None)
+            if not isinstance(module, SUPPORTED_LAYERS) or id(weight) not in trained:
                 continue
-            if id(module) in bypassed:  # its forward never runs: the fallback trains it
+            if id(weight) in seen or id(module) in skipped or id(weight) in skipped:
                 continue
-            bias = module.bias if module.bias is not None and id(module.bias) in trained else None
-            layer = Layer(name or type(module).__name__, module, module.weight, bias)
+            seen.add(id(weight))
+            sharing = holders[id(weight)]
+            if any(type(m) is not type(module) for _, m in sharing):
+                continue  # tied to another kind of module: the fallback trains it
+            modules = tuple(m for _, m in sharing)
+            biases = {id(m.bias) if m.bias is not None else None for m in modules}
+            bias = module.bias if len(biases) == 1 and id(module.bias) in trained else None
+            if bias is not None and not bias.requires_grad:
+                bias = None  # frozen now: outside the factor, the fallback if unfrozen
+            layer = Layer(name or type(module).__name__, module, weight, bias, modules)
             if (
                 bias is not None
                 and self._param_group[id(bias)] != self._param_group[id(module.weight)]
@@ -346,13 +363,9 @@ class KroneckerOptimizer(Optimizer):
         return self.param_groups[self._layer_group[layer]]
 
     # ---------------------------------------------------------- statistics
+    # What the capture asks (singd_cuda.curvature.capture.CaptureOwner).
     def _wants_statistics(self, layer: Layer) -> bool:
         return self._group_wants_statistics(self.group_of(layer))
-
-    def _any_wants_statistics(self) -> bool:
-        """Whether some layer takes statistics this step (one check per group with layers)."""
-        groups = map(self.param_groups.__getitem__, self._statistics_groups)
-        return any(map(self._group_wants_statistics, groups))
 
     def _group_wants_statistics(self, group: dict) -> bool:
         return group["step"] % self.update_period(group) == 0
@@ -364,17 +377,32 @@ class KroneckerOptimizer(Optimizer):
             raise ValueError(f"T must be >= 1, got {period}")
         return period
 
-    def _on_statistics(
-        self, layer: Layer, layer_input: Tensor, grad_output: Tensor, with_input: bool = True
+    def _loss_terms(self, layer: Layer, output: Tensor) -> int:
+        """The loss terms one call's output covers (its batch, or batch x positions)."""
+        loss_average = self.group_of(layer)["loss_average"]
+        if layer in self._norm_set:
+            return norm_fisher.num_terms(layer.module, output, loss_average)
+        return loss_terms(layer, output, loss_average)
+
+    def _accumulate_statistics(
+        self,
+        layer: Layer,
+        layer_input: Tensor,
+        grad_output: Tensor,
+        weight: float,
+        into: dict,
+        with_input: bool = True,
     ) -> None:
+        """One call's statistics into ``into``: the input side (a carries 1/√N) weighted by
+        ``weight``, the output side from the raw output gradient (g without √L)."""
         group = self.group_of(layer)
         dtype = accumulation_dtype(layer.weight.dtype)
-        pending = self._pending.setdefault(layer, {})
         if layer in self._norm_set:
-            F = norm_fisher.norm_statistic(
-                layer, layer_input, grad_output, group["loss_average"], dtype
-            )
-            pending["out"] = pending["out"].add_(F) if "out" in pending else F
+            loss_average = group["loss_average"]
+            F = norm_fisher.norm_statistic(layer, layer_input, grad_output, loss_average, dtype)
+            if loss_average is not None:  # raw: without the √L the statistic carries
+                F.mul_(1.0 / max(norm_fisher.num_terms(layer.module, grad_output, loss_average), 1))
+            merge_statistics(into, {"out": F})
             return
         rule = self.rule_for(group)
         if (
@@ -382,13 +410,13 @@ class KroneckerOptimizer(Optimizer):
             and rule.diagonal_statistics(group)
             and not (self._sync is not None and self._sync.distribute_factors)
         ):
-            h = input_sum_squares(layer, layer_input, dtype)
-            s = grad_output_sum_squares(layer, grad_output, group["loss_average"], dtype)
-            rule.accumulate_diagonal(layer, group, self._layer_state(layer, group), pending, h, s)
+            h = input_sum_squares(layer, layer_input, dtype).mul_(weight)
+            s = grad_output_sum_squares(layer, grad_output, None, dtype)
+            rule.accumulate_diagonal(layer, group, self._layer_state(layer, group), into, h, s)
             return
-        a = input_matrix(layer, layer_input, dtype) if with_input else None
-        g = grad_output_matrix(layer, grad_output, group["loss_average"], dtype)
-        self._accumulate(layer, group, pending, a, g)
+        a = input_matrix(layer, layer_input, dtype).mul_(math.sqrt(weight)) if with_input else None
+        g = grad_output_matrix(layer, grad_output, None, dtype)
+        self._accumulate(layer, group, into, a, g)
 
     def _layer_state(self, layer: Layer, group: dict) -> dict:
         state = self.state[layer.weight]
@@ -433,54 +461,13 @@ class KroneckerOptimizer(Optimizer):
         # scaler.unscale_(opt) ran before step: gradients are unscaled, statistics are not
         if self.grad_scaler is not None:
             return None, self.grad_scaler.get_scale() * torch.ones((), device="cpu"), found_inf
-        if self._pending:
+        if self._capture.committed:
             raise ValueError(
                 "scaler.unscale_(optimizer) was called before step, so the optimizer cannot "
                 "see the loss scale its curvature statistics carry; pass grad_scaler=scaler "
                 f"to {type(self).__name__}(...)"
             )
         return None, None, found_inf
-
-    def _grads_finite(self) -> bool:
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        if not grads:
-            return True
-        groups: dict[tuple, list[Tensor]] = {}
-        for g in grads:
-            groups.setdefault((g.device, g.dtype, g.is_sparse), []).append(g)
-        found_on: dict[torch.device, Tensor] = {}
-        for (device, _, sparse), tensors in groups.items():
-            if sparse:
-                if not all(bool(torch.isfinite(g.coalesce().values()).all()) for g in tensors):
-                    return False
-                continue
-            if device not in found_on:
-                found_on[device] = self._found_buffer(device)
-            # one fused pass, no gradient-sized temporaries (multiplies by exactly 1)
-            found, one = found_on[device]
-            torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, one)
-        return not any(bool(found) for found, _ in found_on.values())
-
-    def _found_buffer(self, device: torch.device) -> tuple[Tensor, Tensor]:
-        """Reused (found_inf, 1.0) pair of :meth:`_grads_finite` (no allocation per step)."""
-        buffers = self._finite_buffers
-        if device not in buffers:
-            buffers[device] = (torch.zeros(1, device=device), torch.ones(1, device=device))
-        found, one = buffers[device]
-        found.zero_()
-        return found, one
-
-    def _skip(self, reason: str) -> None:
-        """Drop this step's statistics (and any state they created); change nothing else."""
-        for param in self._created:
-            self.state.pop(param, None)
-        self._created.clear()
-        self._pending.clear()
-        self._capture.reset()
-        if reason:
-            if self.nonfinite == "raise":
-                raise FloatingPointError(reason)
-            warnings.warn(reason, RuntimeWarning, stacklevel=3)
 
     # ---------------------------------------------------------------- step
     @torch.no_grad()
@@ -489,28 +476,59 @@ class KroneckerOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        try:
+            self._step()
+        except BaseException:
+            # leave nothing stale behind: a GradScaler deletes its loss scale after a
+            # step that returns, not after one that raises
+            self.__dict__.pop("grad_scale", None)
+            self.__dict__.pop("found_inf", None)
+            self._skip("")
+            raise
+        return loss
+
+    def _step(self) -> None:
+        if self._capture.taken_over:
+            raise RuntimeError(
+                f"{type(self).__name__}: a newer optimizer on the same model took over its "
+                "layers, so this one captures no curvature any more; use one optimizer per "
+                "layer (remove_hooks() on an optimizer releases its layers)"
+            )
         grad_scale, stats_scale, found_inf = self._loss_scale()
+        self._stop_preconditioning_weights_used_outside()
+        self._pending = self._normalised_statistics(stats_scale)
         if self._sync is not None:  # average first, so that every rank decides alike
-            self._normalise_statistics(stats_scale)
-            stats_scale = None
             grad_scale, found_inf = self._synchronise(grad_scale, found_inf)
         if found_inf is not None and bool(found_inf.item()):
-            self._skip("")  # the GradScaler skips and backs off; that is routine
-            return loss
-        if found_inf is None and not self._grads_finite():
-            self._skip(
+            return self._skip("")  # the GradScaler skips and backs off; that is routine
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if found_inf is None and not self._finite.all_finite(grads):
+            return self._skip(
                 f"{type(self).__name__}: non-finite gradient, step skipped and statistics "
                 "dropped (use torch.amp.GradScaler for fp16; nonfinite='raise' to raise)"
             )
-            return loss
-        if self._sync is None:
-            self._normalise_statistics(stats_scale)
+        if not self._finite.all_finite(tensors_of(self._pending)):
+            return self._skip(
+                f"{type(self).__name__}: non-finite curvature statistics (an overflow in the "
+                "layer inputs or output gradients), step skipped and no state changed; "
+                "use a GradScaler or float32 statistics (nonfinite='raise' to raise)"
+            )
+        layers = [
+            layer
+            for layer in self._layers
+            if layer.weight.grad is not None and (self._sync is None or self._sync.owns(layer))
+        ]
+        if not self._update_factors(layers):
+            return self._skip(
+                f"{type(self).__name__}: a factor update produced non-finite values, step "
+                "skipped and every factor restored (use float32 factor_dtype or a larger "
+                "damping; nonfinite='raise' to raise)"
+            )
         for group in self.param_groups:
             recipe.momentum_from_ratio(group)
         fused: dict[int, list[Layer]] = {}
-        for layer in self._layers:
-            if self._sync is None or self._sync.owns(layer):
-                self._layer_step(layer, grad_scale, fused)
+        for layer in layers:
+            self._layer_step(layer, grad_scale, fused)
         self._fused_apply(fused, grad_scale)
         if self._sync is not None:
             self._sync.share_parameters()
@@ -518,23 +536,98 @@ class KroneckerOptimizer(Optimizer):
         self._fallback_step(grad_scale)
         for group in self.param_groups:
             group["step"] += 1
-        self._created.clear()
-        self._pending.clear()
-        self._capture.reset()
-        return loss
+        self._forget_statistics()
+        return None
 
-    def _normalise_statistics(self, stats_scale: Tensor | None) -> None:
-        """Sum over k micro-batches → the statistics of one batch of k times the size;
-        remove the loss scale from the output-gradient side."""
-        micro_batches = max(1, self._capture.micro_batches)
-        out_factor = float(micro_batches)
-        if stats_scale is not None:
-            out_factor = out_factor / float(stats_scale) ** 2
-        for pending in self._pending.values():
-            if "in" in pending and micro_batches != 1:  # norm layers have no input side
-                pending["in"].mul_(1.0 / micro_batches)
-            if out_factor != 1.0:
-                pending["out"].mul_(out_factor)
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``torch.optim``; the statistics captured since the last step go with the
+        gradients (a batch thrown away after its backward counts for nothing)."""
+        super().zero_grad(set_to_none)
+        self._capture.discard()
+
+    def _skip(self, reason: str) -> None:
+        """Drop this step's statistics (and any state they created); change nothing else."""
+        for param in self._created:
+            self.state.pop(param, None)
+        self._forget_statistics()
+        if reason:
+            if self.nonfinite == "raise":
+                raise FloatingPointError(reason)
+            warnings.warn(reason, RuntimeWarning, stacklevel=4)
+
+    def _forget_statistics(self) -> None:
+        self._created.clear()
+        self._pending = {}
+        self._undo.clear()
+        self._capture.reset()
+
+    def _normalised_statistics(self, stats_scale: Tensor | None) -> dict[Layer, dict]:
+        """The committed statistics as those of one batch: the input side divided by the
+        loss terms w of every counted forward, the output side multiplied by them (for a
+        loss averaged over its terms), and the loss scale removed. Layers whose forwards
+        held no sample (w = 0) have none."""
+        inv_scale_sq = 1.0 if stats_scale is None else 1.0 / float(stats_scale) ** 2
+        pending = {}
+        for layer, committed in self._capture.committed.items():
+            statistics = committed.statistics
+            if committed.terms <= 0 or not statistics or layer in self._capture.excluded:
+                continue
+            terms = committed.terms
+            if "in" in statistics:  # norm layers have no input side
+                self._scale_(statistics["in"], 1.0 / terms)
+            out_factor = inv_scale_sq
+            if self.group_of(layer)["loss_average"] is not None:
+                out_factor *= terms
+            self._scale_(statistics["out"], out_factor)
+            pending[layer] = statistics
+        return pending
+
+    def _scale_(self, statistic, factor: float) -> None:
+        """statistic *= factor through a reused 0-dim buffer (a Python scalar would
+        allocate one per call)."""
+        if factor == 1.0:
+            return
+        key = (statistic.device, accumulation_dtype(statistic.dtype))
+        if key not in self._scalars:
+            self._scalars[key] = torch.zeros((), dtype=key[1], device=key[0])
+        statistic.mul_(self._scalars[key].fill_(factor))
+
+    def _stop_preconditioning_weights_used_outside(self) -> None:
+        """A layer whose weight received a gradient on a statistics step but no statistics
+        is used outside its module's forward (``F.linear(x, module.weight)``): its
+        curvature cannot be captured, so from now on the fallback trains it."""
+        committed, accumulated = self._capture.committed, self._capture.accumulated
+        lost = [
+            layer
+            for layer in self._layers
+            if layer in accumulated
+            and layer not in committed
+            and self._wants_statistics(layer)
+            and self._statistics_from_backward(self.group_of(layer))
+        ]
+        if not lost:
+            return
+        for layer in lost:
+            warnings.warn(
+                f"{type(self).__name__}: the weight of layer '{layer.name}' received a "
+                "gradient but no curvature statistics (it is used outside its module's "
+                "forward, e.g. F.linear(x, module.weight)); the AdamW fallback trains it "
+                "from now on",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            self._used_outside.add(id(layer.weight))  # for later re-indexing
+            self._capture.excluded.add(layer)
+            for param in layer.params:
+                self.state.pop(param, None)
+            self._fallback_params.extend(layer.params)
+            del self._layer_group[layer]
+        self._layers = [layer for layer in self._layers if layer not in lost]
+
+    def _statistics_from_backward(self, group: dict) -> bool:
+        """Whether the group's statistics come from the backward of the loss (not, as for
+        K-FAC's GGN, from passes of their own)."""
+        return True
 
     def _synchronise(
         self, grad_scale: Tensor | None, found_inf: Tensor | None
@@ -549,23 +642,36 @@ class KroneckerOptimizer(Optimizer):
             self._pending, stat_layers, self._empty_statistics, params, grad_scale, found_inf
         )
 
+    def _update_factors(self, layers: list[Layer]) -> bool:
+        """Update the factors of ``layers`` from this step's statistics; False (and every
+        factor as it was) when a result is not finite."""
+        for layer in layers:
+            pending = self._pending.get(layer)
+            if pending is None:
+                continue
+            group = self.group_of(layer)
+            rule = self.rule_for(group)
+            state = self._layer_state(layer, group)
+            self._undo.save(state)
+            if self._sync is not None and self._sync.distribute_factors:
+                rule.finish_shared(layer, group, state, pending)
+            rule.update_factors(layer, group, state, pending, group["step"])
+        if self._finite.all_finite(self._undo.updated()):
+            self._undo.clear()
+            return True
+        self._undo.restore()
+        return False
+
     def _layer_step(
         self, layer: Layer, grad_scale: Tensor | None, fused: dict[int, list[Layer]]
     ) -> None:
-        """Update the layer's factors; update its parameters now, or queue it in ``fused``
-        (by group index) when its rule updates many layers in one pass."""
-        if layer.weight.grad is None:
-            return  # unused in this step
+        """Update the layer's parameters now, or queue it in ``fused`` (by group index)
+        when its rule updates many layers in one pass."""
         group = self.group_of(layer)
         rule = self.rule_for(group)
         state = self.state[layer.weight]
         if not state:
             rule.init_state(layer, group, state)
-        pending = self._pending.get(layer)
-        if pending is not None:
-            if self._sync is not None and self._sync.distribute_factors:
-                rule.finish_shared(layer, group, state, pending)
-            rule.update_factors(layer, group, state, pending, group["step"])
         if rule.fuses_apply(group):
             fused.setdefault(self._layer_group[layer], []).append(layer)
             return

@@ -180,12 +180,17 @@ class KFAC(KroneckerOptimizer):
     def rule_for(self, group: dict) -> LayerRule:
         return self._rule
 
-    def _on_statistics(self, layer: Layer, layer_input: Tensor, grad_output: Tensor) -> None:
+    def _accumulate_statistics(self, layer, layer_input, grad_output, weight, into) -> None:
         # with fisher="ggn", only the backward passes of capture_ggn count
         capturing = self._ggn_column is not None
         if (self.group_of(layer)["fisher"] == "ggn") == capturing:
             with_input = not capturing or self._ggn_column == 0
-            super()._on_statistics(layer, layer_input, grad_output, with_input=with_input)
+            super()._accumulate_statistics(
+                layer, layer_input, grad_output, weight, into, with_input=with_input
+            )
+
+    def _statistics_from_backward(self, group: dict) -> bool:
+        return group["fisher"] != "ggn"
 
     def capture_ggn(self, output: Tensor, loss: str = "mse") -> None:
         """Capture GGN statistics by backpropagating the loss Hessian's square root.
@@ -210,9 +215,12 @@ class KFAC(KroneckerOptimizer):
                 root = torch.diag_embed(p.sqrt()) - p.unsqueeze(2) * p.sqrt().unsqueeze(1)
         params = [p for layer in self._layers for p in layer.params]
         try:
-            for column in range(flat.shape[1]):
-                self._ggn_column = column
-                vector = (root[:, :, column] / num_terms).reshape(output.shape)
-                torch.autograd.grad(output, params, vector, retain_graph=True, allow_unused=True)
+            with self._capture.direct():  # these passes accumulate no gradient, by design
+                for column in range(flat.shape[1]):
+                    self._ggn_column = column
+                    vector = (root[:, :, column] / num_terms).reshape(output.shape)
+                    torch.autograd.grad(
+                        output, params, vector, retain_graph=True, allow_unused=True
+                    )
         finally:
             self._ggn_column = None

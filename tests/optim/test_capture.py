@@ -217,15 +217,19 @@ def test_checkpointing_the_whole_model_counts_once(mode, name):
     assert_states_equal(ck_opt.state_dict(), opt.state_dict())
 
 
-def test_micro_batches_are_counted_on_statistics_steps_only():
-    """The count normalises the statistics, so only steps that take them count (no tensor
-    hook on the model output otherwise); on those, every backpropagated forward counts."""
+def test_statistics_are_captured_on_statistics_steps_only():
+    """No tensor hook and no statistics between update steps; on update steps every
+    micro-batch's forward counts its loss terms (w = 16 each)."""
     model = make_mlp()
     opt = SINGD(model, T=2, structures="diagonal")
     x, y = random_batches("mlp", 1)[0]
     for step in range(4):
         for _ in range(3):  # three micro-batches per step
             loss_fn(model(x), y).backward()
-        assert opt._capture.micro_batches == (3 if step % 2 == 0 else 0), step
+        committed = opt._capture.committed
+        if step % 2 == 0:
+            assert [c.terms for c in committed.values()] == [48.0] * 3, step
+        else:
+            assert not committed, step
         opt.step()
         opt.zero_grad()

@@ -57,12 +57,10 @@ def test_model_without_supported_layer(cls):
         cls(nn.Sequential(nn.Embedding(4, 3), nn.LayerNorm(3)))
 
 
-def test_model_whose_supported_layers_are_all_frozen():
+def test_params_without_a_supported_layer_weight():
     model = make_mlp()
-    for layer in (model[0], model[2], model[4]):
-        layer.weight.requires_grad_(False)
     with pytest.raises(ValueError, match="no supported layer"):
-        SINGD(model)
+        SINGD(model, params=[model[0].bias, model[2].bias])
 
 
 BAD_HYPERPARAMETERS = [

@@ -113,14 +113,15 @@ def test_zero_grad_then_step_changes_nothing():
 
 @pytest.mark.parametrize("cls", [SINGD, AdaFisher])
 def test_frozen_parameters_stay_put(cls):
-    """A frozen layer is not preconditioned; a frozen bias drops out of the factor
+    """A frozen layer takes no statistics and no update (it is preconditioned once
+    unfrozen, see tests/reliability); a bias frozen at construction drops out of the factor
     (d_K without the ones column); freezing after construction also holds."""
     model = make_mlp()
     model[0].requires_grad_(False)
     model[2].bias.requires_grad_(False)
     opt = cls(model, lr=0.05, T=1)
-    assert [layer.module for layer in opt.layers] == [model[2], model[4]]
-    assert opt.layers[0].dim_in == 16  # no bias column
+    assert [layer.module for layer in opt.layers] == [model[0], model[2], model[4]]
+    assert opt.layers[1].dim_in == 16  # no bias column
     model[4].bias.requires_grad_(False)  # frozen after construction: grad stays None
     frozen = {
         name: p.detach().clone() for name, p in model.named_parameters() if not p.requires_grad
@@ -132,6 +133,7 @@ def test_frozen_parameters_stay_put(cls):
             assert_bitwise_equal(p.detach(), frozen[name], name)
         else:
             assert not torch.equal(p.detach(), trained[name]), name
+    assert not opt.state[model[0].weight]  # never captured, never stepped
 
 
 def test_add_param_group_after_construction():

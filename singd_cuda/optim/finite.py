@@ -1,0 +1,125 @@
+"""Never silently wrong: finite checks over many tensors, and undo of factor updates.
+
+A step skipped for a non-finite gradient, statistic or factor changes no state. The
+factor updates run before any parameter is written; :class:`FactorUndo` keeps what they
+overwrite so that a non-finite result can be undone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..structures.base import StructuredMatrix
+
+
+class FiniteCheck:
+    """``all_finite(tensors)``: one fused pass per (device, dtype), reused buffers."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[torch.device, tuple[Tensor, Tensor]] = {}
+
+    def all_finite(self, tensors: Iterable[Tensor]) -> bool:
+        groups: dict[tuple, list[Tensor]] = {}
+        for t in tensors:
+            if t.numel():
+                groups.setdefault((t.device, t.dtype, t.is_sparse), []).append(t)
+        found_on: dict[torch.device, Tensor] = {}
+        for (device, _, sparse), group in groups.items():
+            if sparse:
+                if not all(bool(torch.isfinite(t.coalesce().values()).all()) for t in group):
+                    return False
+                continue
+            if device not in found_on:
+                found_on[device] = self._found(device)
+            found, one = self._buffers[device]
+            # one fused pass, no temporaries: multiplies by exactly 1 and flags inf/nan
+            torch._amp_foreach_non_finite_check_and_unscale_(group, found, one)
+        return not any(bool(found) for found in found_on.values())
+
+    def _found(self, device: torch.device) -> Tensor:
+        if device not in self._buffers:
+            self._buffers[device] = (torch.zeros(1, device=device), torch.ones(1, device=device))
+        found = self._buffers[device][0]
+        return found.zero_()
+
+
+def tensors_of(value: Any) -> Iterator[Tensor]:
+    """The floating-point tensors in a state or statistic (nested dicts, structures)."""
+    if isinstance(value, StructuredMatrix):
+        yield from value.parts.values()
+    elif isinstance(value, Tensor):
+        if value.is_floating_point():
+            yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from tensors_of(item)
+
+
+class FactorUndo:
+    """Saves layer states before their factor updates and restores them on demand.
+
+    Vectors (the diagonal and AdaFisher states) are saved into buffers kept between
+    steps, so those update steps allocate nothing; matrices are cloned for the step only,
+    a transient copy as large as the factors being updated (their update allocates
+    temporaries of that size anyway). ``skip`` names state entries no factor update
+    writes (the parameter momenta).
+    """
+
+    def __init__(
+        self, skip: tuple[str, ...] = ("momentum_buffer", "exp_avg", "exp_avg_sq")
+    ) -> None:
+        self._skip = skip
+        self._vectors: dict[int, Tensor] = {}
+        self._saved: list[tuple[dict, dict]] = []
+
+    def save(self, state: dict) -> None:
+        self._saved.append((state, self._copy(state)))
+
+    def _copy(self, state: dict) -> dict:
+        copy = {}
+        for key, value in state.items():
+            if key in self._skip:
+                continue
+            if isinstance(value, dict):
+                copy[key] = self._copy(value)
+            elif isinstance(value, Tensor):
+                copy[key] = self._saved_tensor(value)
+            else:
+                copy[key] = value
+        return copy
+
+    def _saved_tensor(self, value: Tensor) -> Tensor:
+        if value.dim() > 1:
+            return value.clone()
+        buffer = self._vectors.get(id(value))
+        if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
+            buffer = self._vectors[id(value)] = torch.empty_like(value)
+        return buffer.copy_(value)
+
+    def updated(self) -> Iterator[Tensor]:
+        """The floating-point tensors of the saved states (as they are now)."""
+        for state, copy in self._saved:
+            for key in copy:
+                yield from tensors_of(state[key])
+
+    def restore(self) -> None:
+        for state, copy in self._saved:
+            _restore(state, copy)
+        self.clear()
+
+    def clear(self) -> None:
+        self._saved.clear()
+
+
+def _restore(state: dict, copy: dict) -> None:
+    for key, value in copy.items():
+        if isinstance(value, dict):
+            _restore(state[key], value)
+        elif isinstance(value, Tensor):
+            state[key].copy_(value)
+        else:
+            state[key] = value

@@ -1,0 +1,270 @@
+"""The capture contract (README, "What counts as curvature"): a backward pass's statistics
+count exactly when, and as, that pass accumulates into the ``.grad`` of the layer weight.
+
+Each test compares two ways of training that the contract says are the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .conftest import (
+    NAMES,
+    assert_close_params,
+    batches,
+    loss_sum,
+    make_optimizer,
+    mlp,
+    plain_step,
+    run,
+)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_autograd_grad_leaves_nothing(name):
+    """An input gradient (adversarial examples, gradient penalties) between steps goes
+    through every layer's backward but into no .grad: it counts for nothing."""
+
+    def with_input_gradient(model, opt, x, y):
+        x_adv = x.clone().requires_grad_(True)
+        (grad_x,) = torch.autograd.grad(loss_sum(model(x_adv), y), x_adv)
+        opt.zero_grad()
+        x = x + 0.0 * grad_x  # the same batch, after the extra pass
+        (loss_sum(model(x), y) / len(y)).backward()
+        opt.step()
+
+    assert_close_params(run(name, mlp(), with_input_gradient), run(name, mlp(), plain_step))
+
+
+@pytest.mark.parametrize("reset", ["opt.zero_grad", "model.zero_grad", "grad=None", "keep-zeros"])
+@pytest.mark.parametrize("name", NAMES)
+def test_thrown_away_batch_equals_never_seen(name, reset):
+    """A batch whose gradient is reset after its backward leaves no statistics."""
+    noise = batches(4, seed=7)
+
+    def with_thrown_away_batch(model, opt, x, y):
+        x_bad, y_bad = noise.pop()
+        (loss_sum(model(x_bad), y_bad) / len(y_bad)).backward()
+        if reset == "opt.zero_grad":
+            opt.zero_grad()
+        elif reset == "model.zero_grad":
+            model.zero_grad()
+        elif reset == "grad=None":
+            for p in model.parameters():
+                p.grad = None
+        else:
+            opt.zero_grad(set_to_none=False)
+        (loss_sum(model(x), y) / len(y)).backward()
+        opt.step()
+
+    def plain(model, opt, x, y):
+        opt.zero_grad(set_to_none=reset != "keep-zeros")
+        (loss_sum(model(x), y) / len(y)).backward()
+        opt.step()
+
+    assert_close_params(run(name, mlp(), with_thrown_away_batch), run(name, mlp(), plain))
+
+
+@pytest.mark.parametrize("split", [(3, 7), (1, 4, 5), (10,)])
+@pytest.mark.parametrize("name", NAMES)
+def test_uneven_micro_batches_equal_the_whole_batch(name, split):
+    """Micro-batches of any sizes, each loss weighted by its share, equal one batch."""
+
+    def accumulated(model, opt, x, y):
+        opt.zero_grad()
+        for xs, ys in zip(x.split(split), y.split(split), strict=True):
+            (loss_sum(model(xs), ys) / len(y)).backward()
+        opt.step()
+
+    assert_close_params(run(name, mlp(), accumulated), run(name, mlp(), plain_step))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_several_forwards_into_one_loss_equal_one_forward(name):
+    def two_forwards(model, opt, x, y):
+        opt.zero_grad()
+        loss = loss_sum(model(x[:4]), y[:4]) + loss_sum(model(x[4:]), y[4:])
+        (loss / len(y)).backward()
+        opt.step()
+
+    assert_close_params(run(name, mlp(), two_forwards), run(name, mlp(), plain_step))
+
+
+@dataclass
+class Output:
+    logits: torch.Tensor
+
+
+class KeywordModel(nn.Module):
+    """Returns a dataclass, calls its layers with keyword arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp()
+
+    def forward(self, x):
+        hidden = torch.tanh(self.net[0](input=x))
+        return {"out": Output(logits=self.net[2](input=hidden))}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_keyword_calls_and_structured_outputs_change_nothing(name):
+    def step(model, opt, x, y):
+        opt.zero_grad()
+        for xs, ys in zip(x.split((6, 4)), y.split((6, 4)), strict=True):
+            (loss_sum(model(xs)["out"].logits, ys) / len(y)).backward()
+        opt.step()
+
+    model = KeywordModel()
+    assert_close_params(run(name, model, step), run(name, mlp(), plain_step))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_empty_batch_counts_for_nothing(name):
+    """A micro-batch of 0 samples (a summed loss: zero gradient) changes nothing."""
+
+    def with_empty(model, opt, x, y):
+        opt.zero_grad()
+        (loss_sum(model(x[:0]), y[:0]) / len(y)).backward()
+        (loss_sum(model(x), y) / len(y)).backward()
+        opt.step()
+
+    assert_close_params(run(name, mlp(), with_empty), run(name, mlp(), plain_step))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_eval_mode_keeps_curvature(name):
+    """model.eval() (frozen BatchNorm, no dropout) trains exactly as train() here."""
+    evaluated = mlp().eval()
+    assert_close_params(run(name, evaluated, plain_step), run(name, mlp(), plain_step))
+
+
+class Twice(nn.Module):
+    """One Linear called twice, or two Linears sharing weight and bias."""
+
+    def __init__(self, shared_modules: bool) -> None:
+        super().__init__()
+        self.first = mlp()[0]
+        torch.manual_seed(3)
+        self.mid = nn.Linear(8, 8).double()
+        self.mid_again = nn.Linear(8, 8).double() if shared_modules else self.mid
+        if shared_modules:
+            self.mid_again.weight, self.mid_again.bias = self.mid.weight, self.mid.bias
+        self.head = mlp()[2]
+
+    def forward(self, x):
+        h = torch.tanh(self.mid(torch.tanh(self.first(x))))
+        return self.head(torch.tanh(self.mid_again(h)))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_shared_weight_equals_module_called_twice(name):
+    """Two modules sharing one weight: one layer, one update per step, the statistics of
+    both uses: exactly one module called twice."""
+    shared = Twice(shared_modules=True)
+    opt = make_optimizer(name, shared)
+    assert len(opt.layers) == 3
+    opt.remove_hooks()
+    assert_close_params(run(name, shared, plain_step), run(name, Twice(False), plain_step))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_frozen_weight_takes_no_statistics_and_trains_once_unfrozen(name):
+    model = mlp()
+    model[0].weight.requires_grad_(False)
+    opt = make_optimizer(name, model)
+    frozen = model[0].weight.detach().clone()
+    for step, (x, y) in enumerate(batches(4)):
+        if step == 2:
+            model[0].weight.requires_grad_(True)
+        opt.zero_grad()
+        (loss_sum(model(x), y) / len(y)).backward()
+        opt.step()
+        if step < 2:
+            assert opt.state.get(model[0].weight, {}) == {}
+            assert torch.equal(model[0].weight, frozen)
+    assert not torch.equal(model[0].weight, frozen)
+    assert opt.state[model[0].weight]
+
+
+class TiedLM(nn.Module):
+    """Token embedding tied to the output layer, as in GPT-style language models."""
+
+    def __init__(self, vocab: int = 11, width: int = 8) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(vocab, width)
+        self.mix = nn.Linear(width, width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.mix(self.embed(tokens))))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_tied_embedding_trains_with_the_fallback(name):
+    """A weight tied to an embedding is not preconditioned: the AdamW fallback trains it
+    (the other layers keep their curvature), and training is finite and makes progress."""
+    model = TiedLM()
+    opt = make_optimizer(name, model)
+    assert [layer.name for layer in opt.layers] == ["mix"]
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 11, (16, 6), generator=gen)
+    losses = []
+    for _ in range(30):
+        opt.zero_grad()
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, 11), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < losses[0]
+
+
+class OutsideUse(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp()
+
+    def forward(self, x):
+        hidden = torch.tanh(F.linear(x, self.net[0].weight, self.net[0].bias))
+        return self.net[2](hidden)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_weight_used_outside_its_module_is_detected(name):
+    model = OutsideUse()
+    opt = make_optimizer(name, model)
+    before = model.net[0].weight.detach().clone()
+    with pytest.warns(RuntimeWarning, match="outside its module"):
+        for x, y in batches(3):
+            plain_step(model, opt, x, y)
+    assert [layer.name for layer in opt.layers] == ["net.2"]
+    assert not torch.equal(model.net[0].weight, before)
+    assert "exp_avg" in opt.state[model.net[0].weight]  # the fallback's state
+
+
+def test_grad_penalty_counts_the_pass_that_reaches_grad():
+    """With create_graph=True the penalty's backward does reach .grad: a penalty weighted
+    by 0 still leaves the statistics of the loss backward only (the penalty pass adds
+    none, as nothing flows into the layer outputs from a zero-weighted term)."""
+
+    def with_zero_penalty(model, opt, x, y):
+        opt.zero_grad()
+        x = x.clone().requires_grad_(True)
+        loss = loss_sum(model(x), y) / len(y)
+        (grad_x,) = torch.autograd.grad(loss, x, create_graph=True)
+        (loss + 0.0 * grad_x.square().sum()).backward()
+        opt.step()
+
+    for name in ("singd-dense", "kfac"):
+        assert_close_params(
+            run(name, mlp(), with_zero_penalty), run(name, mlp(), plain_step), rtol=1e-9
+        )
