@@ -101,7 +101,8 @@ class CurvatureCapture:
     """The hooks of one optimizer on one model (see the module docstring).
 
     ``committed`` maps layers to :class:`Committed`; ``accumulated`` holds the layers
-    whose weight received a gradient since the last :meth:`reset` (on any step).
+    whose weight received a gradient since the last :meth:`reset` (on any step), and
+    ``saw_samples`` whether a grad-enabled call of a layer held any data since then.
     """
 
     def __init__(self, model: nn.Module, layers: list[Layer], owner: CaptureOwner) -> None:
@@ -110,6 +111,7 @@ class CurvatureCapture:
         self.accumulated: set[Layer] = set()
         self.excluded: set[Layer] = set()  # layers the owner no longer preconditions
         self.taken_over = False  # another optimizer's capture hooks these modules now
+        self.saw_samples = False  # a grad-enabled layer call held data since the last step
         self._staged: dict[Layer, _Staged] = {}
         self._forward = 0
         self._forward_terms: dict[tuple[Layer, int], float] = {}
@@ -146,6 +148,7 @@ class CurvatureCapture:
             return
         if not layer.weight.requires_grad or layer in self.excluded:
             return
+        self.saw_samples = self.saw_samples or output.numel() > 0
         if torch._C._are_functorch_transforms_active():
             return
         if not self._owner._wants_statistics(layer):
@@ -232,6 +235,7 @@ class CurvatureCapture:
         self.committed.clear()
         self.accumulated.clear()
         self._forward_terms.clear()
+        self.saw_samples = False
 
     def remove(self) -> None:
         """Remove every hook."""

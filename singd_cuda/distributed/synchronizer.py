@@ -90,8 +90,13 @@ class Synchronizer:
         params: Sequence[Tensor],
         grad_scale: Tensor | None,
         found_inf: Tensor | None,
+        saw_samples: bool = True,
     ) -> tuple[Tensor | None, Tensor | None]:
         """Average gradients (unless DDP did) and the statistics of ``stat_layers``.
+
+        Each is averaged over the ranks that contributed one: a rank with no gradient, or
+        whose forwards since the last step held no sample (``saw_samples`` False: an empty
+        batch), counts for nothing, exactly like a rank with no statistics.
 
         ``statistics`` maps layers to their pending statistics and is updated in place:
         a layer no rank captured is dropped, one only others captured is added.
@@ -114,7 +119,7 @@ class Synchronizer:
             values.append(float(present))
             local[layer] = statistics[layer] if present else empty_statistics(layer)
         first_grad = len(values)
-        values += [float(p.grad is not None) for p in grads]
+        values += [float(p.grad is not None and saw_samples) for p in grads]
         flags = torch.tensor(values, dtype=wire, device=device)
         counts: list[float] = []  # the summed flags, on the host (one device sync)
 
@@ -122,11 +127,10 @@ class Synchronizer:
             counts[:] = flat.tolist()
 
         segments = [Segment(flags.numel(), flags.to, unpack_flags)]
-        scale = 1.0 / self.world_size
-        if grad_scale is not None:
-            scale /= float(grad_scale)
+        scale = 1.0 if grad_scale is None else 1.0 / float(grad_scale)
         for j, p in enumerate(grads):
-            segments.append(self._grad_segment(p, counts, first_grad + j, scale))
+            contributes = saw_samples and p.grad is not None
+            segments.append(self._grad_segment(p, contributes, counts, first_grad + j, scale))
         for i, layer in enumerate(stat_layers):
             for key in sorted(local[layer]):
                 for tensor, symmetric in statistic_tensors(local[layer][key]):
@@ -146,9 +150,11 @@ class Synchronizer:
         return (None if grads else grad_scale), found_inf
 
     @staticmethod
-    def _grad_segment(p: Tensor, counts: list[float], flag: int, scale: float) -> Segment:
+    def _grad_segment(
+        p: Tensor, contributes: bool, counts: list[float], flag: int, scale: float
+    ) -> Segment:
         def pack(dtype: torch.dtype) -> Tensor:
-            if p.grad is None:
+            if not contributes:
                 return torch.zeros(p.numel(), dtype=dtype, device=p.device)
             return p.grad.detach().reshape(-1).to(dtype) * scale
 
@@ -156,7 +162,7 @@ class Synchronizer:
             if counts[flag] > 0:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                p.grad.copy_(flat.view(p.shape))
+                p.grad.copy_(flat.view(p.shape) / counts[flag])
 
         return Segment(p.numel(), pack, unpack)
 

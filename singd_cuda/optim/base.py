@@ -639,7 +639,13 @@ class KroneckerOptimizer(Optimizer):
         ]
         params = [p for group in self.param_groups for p in group["params"]]
         return self._sync.synchronise(
-            self._pending, stat_layers, self._empty_statistics, params, grad_scale, found_inf
+            self._pending,
+            stat_layers,
+            self._empty_statistics,
+            params,
+            grad_scale,
+            found_inf,
+            saw_samples=self._capture.saw_samples,
         )
 
     def _update_factors(self, layers: list[Layer]) -> bool:

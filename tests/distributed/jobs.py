@@ -143,8 +143,20 @@ def _counts() -> dict[str, dict]:
 
 
 COUNTS = _counts()
+# The last rank gets an empty batch (a summed loss: zero gradients) or sits the steps out
+# (no forward, no backward): both must equal training without that rank.
+STARVED = {
+    f"{name}-{starved}-rank": dict(optimizer=name, starved=starved, dtype=F64, kwargs=kwargs)
+    for name, kwargs in (
+        ("singd", singd("dense")),
+        ("adafisher", dict(lr=0.05, T=3)),
+        ("kfac", dict(lr=0.05, T=3, distribute_factors=True)),
+    )
+    for starved in ("empty", "idle")
+}
 ALL = (
     [(key, job) for key, job in JOBS.items()]
+    + [(key, ("run", c)) for key, c in STARVED.items()]
     + [(f"checkpoint:{key}", ("checkpoint", c)) for key, c in CHECKPOINTS.items()]
     + [(key, ("count", c)) for key, c in COUNTS.items()]
 )

@@ -71,16 +71,25 @@ def train_steps(
     wrapped, opt, data, rank: int, world: int, config: dict | None = None, on_step=None, start=0
 ) -> None:
     """Train on ``data`` (the steps numbered from ``start``). ``config`` may ask for
-    ``micro`` micro-batches, a GradScaler (``scaler``: its initial scale) and an inf
-    written into the last rank's fc1 gradient at step ``inf_step``."""
+    ``micro`` micro-batches, a GradScaler (``scaler``: its initial scale), an inf
+    written into the last rank's fc1 gradient at step ``inf_step``, a last rank that is
+    ``starved`` ("empty": a batch of 0 samples; "idle": no forward or backward), and for
+    a single process only the first ``samples`` samples of each batch."""
     config = config or {}
     micro = config.get("micro", 1)
     scaler = config.get("_scaler")
+    starved = config.get("starved") if rank == world - 1 and world > 1 else None
     for t, (x, y) in enumerate(data, start=start):
         x, y = shard(x, rank, world), shard(y, rank, world)
+        if "samples" in config:
+            x, y = x[: config["samples"]], y[: config["samples"]]
+        if starved == "empty":
+            x, y = x[:0], y[:0]
         opt.zero_grad()
         for xm, ym in zip(x.chunk(micro), y.chunk(micro), strict=True):
-            loss = F.cross_entropy(wrapped(xm), ym) / micro
+            if starved == "idle":
+                break
+            loss = F.cross_entropy(wrapped(xm), ym, reduction="sum") / max(len(ym), 1) / micro
             (scaler.scale(loss) if scaler else loss).backward()
         if t == config.get("inf_step") and rank == world - 1:
             opt.model.fc1.weight.grad[0, 0] = float("inf")
