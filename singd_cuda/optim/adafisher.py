@@ -23,7 +23,8 @@ from .. import ops
 from ..curvature.layers import Layer
 from ..distributed.synchronizer import DEFAULT_BUCKET_CAP_MB
 from ..structures.base import accumulation_dtype
-from .base import KroneckerOptimizer, LayerRule, checked_fallback, scheduled, validate_common
+from . import hyperparameters as hp
+from .base import KroneckerOptimizer, LayerRule, checked_fallback, scheduled
 from .derived import DerivedCache
 
 ADAFISHER = "adafisher"
@@ -251,9 +252,15 @@ class AdaFisher(KroneckerOptimizer):
             bucket_cap_mb=bucket_cap_mb,
         )
 
-    def validate_group(self, group: dict) -> None:
-        super().validate_group(group)
-        validate_common(group, "momentum", "ema_decay")
+    def hyperparameter_checks(self, group: dict) -> dict[str, hp.Check]:
+        return {
+            **super().hyperparameter_checks(group),
+            "momentum": hp.number(below_one=True),
+            "ema_decay": hp.number(below_one=True),
+            # the min–max normalised F̃ has a zero entry: only the damping keeps it invertible
+            "damping": hp.number(positive=True),
+            "decoupled_weight_decay": hp.flag,
+        }
 
     def rule_for(self, group: dict) -> LayerRule:
         return self._rule

@@ -19,7 +19,6 @@ with ``distribute_factors`` each rank steps only the layers it owns (see
 
 from __future__ import annotations
 
-import math
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
@@ -32,7 +31,6 @@ from torch.optim import Optimizer
 from .. import ops
 from ..curvature.capture import CurvatureCapture
 from ..curvature.layers import (
-    LOSS_AVERAGES,
     SUPPORTED_LAYERS,
     Layer,
     bypassed_modules,
@@ -47,6 +45,7 @@ from ..distributed import norm_fisher, recipe
 from ..distributed.ownership import layer_cost
 from ..distributed.synchronizer import DEFAULT_BUCKET_CAP_MB, Synchronizer
 from ..structures.base import accumulation_dtype, upcast
+from . import hyperparameters
 from .fallback import adamw_update_
 
 Schedule = float | Callable[[int], float]
@@ -211,40 +210,14 @@ class KroneckerOptimizer(Optimizer):
     def rule_for(self, group: dict) -> LayerRule:
         """The layer rule of a parameter group."""
 
+    def hyperparameter_checks(self, group: dict) -> dict[str, hyperparameters.Check]:
+        """The check of each hyperparameter of ``group`` (extended by subclasses)."""
+        return hyperparameters.common_checks()
+
     def validate_group(self, group: dict) -> None:
-        """Raise ValueError for invalid hyperparameters of a group (extended by subclasses)."""
-        for key in ("lr", "weight_decay", "fallback_weight_decay", "fallback_eps"):
-            value = group[key]
-            if not callable(value) and not (isinstance(value, int | float) and value >= 0):
-                raise ValueError(f"{key} must be a number >= 0, got {value!r}")
-        if group["fallback_lr"] is not None and group["fallback_lr"] < 0:
-            raise ValueError(f"fallback_lr must be >= 0 or None, got {group['fallback_lr']!r}")
-        betas = group["fallback_betas"]
-        if not (
-            isinstance(betas, tuple | list)
-            and len(betas) == 2
-            and all(isinstance(b, int | float) and 0.0 <= b < 1.0 for b in betas)
-        ):
-            raise ValueError(f"fallback_betas must be a pair of numbers in [0, 1), got {betas!r}")
-        if group["loss_average"] not in LOSS_AVERAGES:
-            raise ValueError(
-                f"loss_average must be one of {LOSS_AVERAGES}, got {group['loss_average']!r}"
-            )
-        dtype = group["factor_dtype"]
-        if dtype is not None and dtype not in (
-            torch.float64,
-            torch.float32,
-            torch.bfloat16,
-            torch.float16,
-        ):
-            raise ValueError(
-                f"factor_dtype must be None or one of torch.float64, float32, bfloat16, float16; "
-                f"got {dtype!r}"
-            )
-        check_positive(group, "norm_damping")
-        ratio = group["momentum_lr_ratio"]
-        if ratio is not None and not (isinstance(ratio, int | float) and ratio >= 0):
-            raise ValueError(f"momentum_lr_ratio must be None or a number >= 0, got {ratio!r}")
+        """Raise ValueError for invalid hyperparameters of a group; remember its values so
+        that :meth:`step` re-validates it when one changes (:mod:`.hyperparameters`)."""
+        hyperparameters.accept(self, group)
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group; after construction its layers are found and hooked too (call it
@@ -465,7 +438,10 @@ class KroneckerOptimizer(Optimizer):
         """Reused (found_inf, 1.0) pair of :meth:`_grads_finite` (no allocation per step)."""
         buffers = self._finite_buffers
         if device not in buffers:
-            buffers[device] = (torch.zeros(1, device=device), torch.ones(1, device=device))
+            buffers[device] = (
+                torch.zeros(1, dtype=torch.float32, device=device),
+                torch.ones(1, dtype=torch.float32, device=device),
+            )
         found, one = buffers[device]
         found.zero_()
         return found, one
@@ -485,6 +461,7 @@ class KroneckerOptimizer(Optimizer):
     # ---------------------------------------------------------------- step
     @torch.no_grad()
     def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
+        hyperparameters.check_step(self)  # param_groups edited since the last step
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -743,22 +720,6 @@ def _keep_dtypes(saved_value: Any, loaded: Any, device: torch.device) -> Any:
     return loaded
 
 
-def check_positive(group: dict, *keys: str, allow_zero: bool = True) -> None:
-    """ValueError unless every key of ``group`` is a (scheduled) number in range."""
-    for key in keys:
-        value = group[key]
-        if callable(value):
-            continue
-        ok = (
-            isinstance(value, int | float)
-            and math.isfinite(value)
-            and (value >= 0 if allow_zero else value > 0)
-        )
-        if not ok:
-            bound = ">= 0" if allow_zero else "> 0"
-            raise ValueError(f"{key} must be a number {bound}, got {value!r}")
-
-
 def checked_fallback(fallback: dict[str, Any]) -> dict[str, Any]:
     """The ``fallback_*`` keyword arguments; TypeError for any other unknown keyword."""
     valid = sorted(k for k in KroneckerOptimizer.common_defaults if k.startswith("fallback_"))
@@ -771,14 +732,3 @@ def checked_fallback(fallback: dict[str, Any]) -> dict[str, Any]:
             f"arguments only the AdamW fallback's settings are accepted: {', '.join(valid)}"
         )
     return fallback
-
-
-def validate_common(group: dict, *unit_interval: str) -> None:
-    """Damping >= 0, each of ``unit_interval`` in [0, 1), T an integer >= 1 or a callable."""
-    check_positive(group, "damping")
-    for key in unit_interval:
-        if not callable(group[key]) and not 0.0 <= group[key] < 1.0:
-            raise ValueError(f"{key} must be in [0, 1), got {group[key]!r}")
-    period = group["T"]
-    if not callable(period) and not (isinstance(period, int) and period >= 1):
-        raise ValueError(f"T must be an integer >= 1 or a callable of the step, got {period!r}")

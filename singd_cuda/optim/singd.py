@@ -22,15 +22,8 @@ from ..distributed.synchronizer import DEFAULT_BUCKET_CAP_MB
 from ..structures.base import StructuredMatrix, accumulation_dtype
 from ..structures.diagonal import Diagonal
 from .adafisher import ADAFISHER, AdaFisherRule, DiagonalBatch
-from .base import (
-    KroneckerOptimizer,
-    LayerRule,
-    check_positive,
-    checked_fallback,
-    scheduled,
-    sgd_update_,
-    validate_common,
-)
+from . import hyperparameters as hp
+from .base import KroneckerOptimizer, LayerRule, checked_fallback, scheduled, sgd_update_
 from .derived import DerivedCache
 
 StructureSpec = str | type[StructuredMatrix]
@@ -374,11 +367,22 @@ class SINGD(KroneckerOptimizer):
             bucket_cap_mb=bucket_cap_mb,
         )
 
-    def validate_group(self, group: dict) -> None:
-        super().validate_group(group)
-        group["structures"] = resolve_structures(group["structures"])
-        check_positive(group, "lr_cov")
-        validate_common(group, "momentum", "alpha1", "ema_decay")
+    def hyperparameter_checks(self, group: dict) -> dict[str, hp.Check]:
+        spec = group.get("structures")
+        adafisher = spec == ADAFISHER or (isinstance(spec, tuple | list) and ADAFISHER in spec)
+        return {
+            **super().hyperparameter_checks(group),
+            "structures": lambda key, value: resolve_structures(value),
+            "momentum": hp.number(below_one=True),
+            "alpha1": hp.number(below_one=True),
+            "ema_decay": hp.number(below_one=True),
+            # AdaFisher's normalised F̃ has a zero entry: only the damping keeps it invertible
+            "damping": hp.number(positive=adafisher),
+            "lr_cov": hp.number(),
+            "kfac_like": hp.flag,
+            "normalize_lr_cov": hp.flag,
+            "decoupled_weight_decay": hp.flag,
+        }
 
     def rule_for(self, group: dict) -> LayerRule:
         return self._rules[ADAFISHER if group["structures"][0] == ADAFISHER else "singd"]

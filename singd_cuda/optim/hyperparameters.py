@@ -1,0 +1,278 @@
+"""Validation of the hyperparameters in ``param_groups``, where they are read.
+
+A group is validated in full when it is added (construction, ``add_param_group``), when
+a checkpoint is loaded, and at the start of any step where one of its values changed
+since the last validation (an edit of ``opt.param_groups[i][key]``, a learning-rate
+scheduler). Unchanged groups cost one identity/equality test per value. Callable
+hyperparameters (``T``, ``damping``, ``lr_cov``, ``norm_damping``) are evaluated at the
+group's step and their value checked at every step.
+
+Changes that concern the state:
+
+- ``structures``: free while none of the group's layers has factors; afterwards a
+  ValueError (the factors of one structure do not convert into another).
+- ``factor_dtype``: the factors of the group's layers are cast to the new dtype.
+- ``norm_fisher``: fixed at construction (it decides which layers are preconditioned).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from ..curvature.layers import LOSS_AVERAGES, Layer
+
+if TYPE_CHECKING:
+    from .base import KroneckerOptimizer
+
+# check(key, value) -> the value to store (normalised), or ValueError naming the fix
+Check = Callable[[str, Any], Any]
+
+SCHEDULABLE = ("T", "damping", "lr_cov", "norm_damping")
+FACTOR_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+_UNREAD = ("params", "step")  # not hyperparameters: the parameters and the step counter
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def number(*, positive: bool = False, below_one: bool = False, optional: bool = False) -> Check:
+    """A finite number >= 0 (> 0 with ``positive``; < 1 with ``below_one``; or None)."""
+
+    def check(key: str, value: Any) -> Any:
+        if optional and value is None:
+            return value
+        if below_one:
+            if _is_number(value) and 0.0 <= value < 1.0:
+                return value
+            raise ValueError(f"{key} must be in [0, 1), got {value!r}")
+        if _is_number(value) and (value > 0 if positive else value >= 0):
+            return value
+        if optional:
+            raise ValueError(f"{key} must be >= 0 or None, got {value!r}")
+        bound = "> 0" if positive else ">= 0"
+        raise ValueError(f"{key} must be a number {bound}, got {value!r}")
+
+    return check
+
+
+def period(key: str, value: Any) -> Any:
+    """An integer >= 1 (an integral float is accepted as the integer)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    raise ValueError(f"{key} must be an integer >= 1 or a callable of the step, got {value!r}")
+
+
+def optional_period(key: str, value: Any) -> Any:
+    """None or an integer >= 1 (not a callable)."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return value
+    raise ValueError(f"{key} must be None or an integer >= 1, got {value!r}")
+
+
+def one_of(options: tuple) -> Check:
+    def check(key: str, value: Any) -> Any:
+        if value in options and not isinstance(value, bool):
+            return value
+        raise ValueError(f"{key} must be one of {options}, got {value!r}")
+
+    return check
+
+
+def flag(key: str, value: Any) -> Any:
+    if isinstance(value, bool):
+        return value
+    raise ValueError(f"{key} must be True or False, got {value!r}")
+
+
+def factor_dtype(key: str, value: Any) -> Any:
+    if value is None or value in FACTOR_DTYPES:
+        return value
+    raise ValueError(
+        f"{key} must be None or one of torch.float64, float32, bfloat16, float16; got {value!r}"
+    )
+
+
+def betas(key: str, value: Any) -> Any:
+    if (
+        isinstance(value, tuple | list)
+        and len(value) == 2
+        and all(_is_number(b) and 0.0 <= b < 1.0 for b in value)
+    ):
+        return value
+    raise ValueError(f"{key} must be a pair of numbers in [0, 1), got {value!r}")
+
+
+def common_checks() -> dict[str, Check]:
+    """The checks of every optimizer's group (see :meth:`KroneckerOptimizer.validate_group`)."""
+    return dict(
+        lr=number(),
+        weight_decay=number(),
+        fallback_lr=number(optional=True),
+        fallback_betas=betas,
+        fallback_eps=number(),
+        fallback_weight_decay=number(),
+        loss_average=one_of(LOSS_AVERAGES),
+        factor_dtype=factor_dtype,
+        stochastic_rounding=flag,
+        norm_fisher=flag,
+        norm_damping=number(),
+        weight_rescale=flag,
+        momentum_lr_ratio=number(optional=True),
+        T=period,
+    )
+
+
+def validate(group: dict, checks: dict[str, Check]) -> None:
+    """Check every key of ``checks`` in ``group`` (a callable passes for the keys in
+    :data:`SCHEDULABLE`: its value is checked at each step); store normalised values."""
+    for key, check in checks.items():
+        if key not in group:
+            raise ValueError(f"the parameter group has no {key!r}")
+        value = group[key]
+        if callable(value) and key in SCHEDULABLE:
+            continue
+        normalised = check(key, value)
+        if normalised is not value:
+            group[key] = normalised
+
+
+class GroupWatch:
+    """The last validated values of each group (by position in ``param_groups``), and the
+    callable hyperparameters to check at each step."""
+
+    def __init__(self) -> None:
+        self.snapshots: list[dict | None] = []
+        self.scheduled: list[list[tuple[str, Check]]] = []
+
+    def remember(self, index: int, group: dict, checks: dict[str, Check]) -> None:
+        while len(self.snapshots) <= index:
+            self.snapshots.append(None)
+            self.scheduled.append([])
+        self.snapshots[index] = {k: v for k, v in group.items() if k not in _UNREAD}
+        self.scheduled[index] = [
+            (key, checks[key]) for key in SCHEDULABLE if key in checks and callable(group[key])
+        ]
+
+    def unchanged(self, index: int, group: dict) -> bool:
+        snapshot = self.snapshots[index] if index < len(self.snapshots) else None
+        if snapshot is None or len(group) != len(snapshot) + len(_UNREAD):
+            return False
+        for key, value in snapshot.items():
+            current = group.get(key, snapshot)  # the snapshot itself: a missing key
+            if current is not value and not _equal(current, value):
+                return False
+        return True
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # values whose == does not give a truth value
+        return False
+
+
+def watch_of(optimizer: KroneckerOptimizer) -> GroupWatch:
+    watch = optimizer.__dict__.get("_group_watch")
+    if watch is None:
+        watch = optimizer.__dict__["_group_watch"] = GroupWatch()
+    return watch
+
+
+def accept(optimizer: KroneckerOptimizer, group: dict) -> None:
+    """Validate a group in full and remember its values (a new or a loaded group)."""
+    checks = optimizer.hyperparameter_checks(group)
+    validate(group, checks)
+    index = next((i for i, g in enumerate(optimizer.param_groups) if g is group), None)
+    if index is not None:
+        watch_of(optimizer).remember(index, group, checks)
+
+
+def check_step(optimizer: KroneckerOptimizer) -> None:
+    """At the start of a step: re-validate the groups that changed since their last
+    validation (applying the state consequences above), and check the value of every
+    callable hyperparameter at the group's step."""
+    watch = watch_of(optimizer)
+    for index, group in enumerate(optimizer.param_groups):
+        if not watch.unchanged(index, group):
+            _revalidate(optimizer, watch, index, group)
+        for key, check in watch.scheduled[index]:
+            value = group[key](group["step"])
+            try:
+                check(key, value)
+            except ValueError as error:
+                raise ValueError(
+                    f"{error} (the value of the callable {key} at step {group['step']} of "
+                    f"param_groups[{index}])"
+                ) from None
+
+
+def _revalidate(optimizer: KroneckerOptimizer, watch: GroupWatch, index: int, group: dict):
+    old = watch.snapshots[index] if index < len(watch.snapshots) else None
+    checks = optimizer.hyperparameter_checks(group)
+    try:
+        validate(group, checks)
+    except ValueError as error:
+        raise ValueError(f"param_groups[{index}]: {error}") from None
+    if old is not None:
+        _apply_changes(optimizer, index, group, old)
+    watch.remember(index, group, checks)
+
+
+def _apply_changes(optimizer: KroneckerOptimizer, index: int, group: dict, old: dict) -> None:
+    layers = [layer for layer in optimizer.layers if optimizer.group_of(layer) is group]
+    with_factors = [layer for layer in layers if optimizer.state.get(layer.weight)]
+    if old.get("norm_fisher") != group.get("norm_fisher"):
+        raise ValueError(
+            f"param_groups[{index}]['norm_fisher'] changed from {old.get('norm_fisher')!r} "
+            f"to {group.get('norm_fisher')!r}; it is fixed at construction (set it back, or "
+            f"pass it to {type(optimizer).__name__}(...))"
+        )
+    if "structures" in group and tuple(old["structures"]) != tuple(group["structures"]):
+        if with_factors:
+            raise ValueError(
+                f"param_groups[{index}]['structures'] changed from {tuple(old['structures'])} "
+                f"to {tuple(group['structures'])} after the group's factors were created; "
+                "factors do not convert between structures: set it back, or start a new "
+                f"{type(optimizer).__name__} with the new structures (its factors start "
+                "at the identity)"
+            )
+    if old.get("factor_dtype") != group.get("factor_dtype"):
+        for layer in with_factors:
+            _cast_factors(optimizer, layer, group)
+
+
+def factor_keys(optimizer: KroneckerOptimizer, layer: Layer, group: dict) -> dict[str, Any]:
+    """The state entries the group's rule creates for ``layer`` (its factors), on the
+    meta device: keys, tensor shapes and dtypes, no memory."""
+    meta = Layer(
+        layer.name,
+        layer.module,
+        torch.empty(layer.weight.shape, dtype=layer.weight.dtype, device="meta"),
+        None
+        if layer.bias is None
+        else torch.empty(layer.bias.shape, dtype=layer.bias.dtype, device="meta"),
+    )
+    fresh: dict[str, Any] = {}
+    optimizer.rule_for(group).init_state(meta, group, fresh)
+    return fresh
+
+
+def _cast_factors(optimizer: KroneckerOptimizer, layer: Layer, group: dict) -> None:
+    state = optimizer.state[layer.weight]
+    dtype = group["factor_dtype"] or layer.weight.dtype
+    for key in factor_keys(optimizer, layer, group):
+        value = state.get(key)
+        if isinstance(value, Tensor) and value.is_floating_point():
+            state[key] = value.to(dtype)
+        elif isinstance(value, dict):
+            state[key] = {k: v.to(dtype) for k, v in value.items()}
