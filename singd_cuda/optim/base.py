@@ -45,7 +45,7 @@ from ..distributed import norm_fisher, recipe
 from ..distributed.ownership import layer_cost
 from ..distributed.synchronizer import DEFAULT_BUCKET_CAP_MB, Synchronizer
 from ..structures.base import accumulation_dtype, upcast
-from . import hyperparameters
+from . import checkpoint, hyperparameters
 from .fallback import adamw_update_
 
 Schedule = float | Callable[[int], float]
@@ -616,10 +616,22 @@ class KroneckerOptimizer(Optimizer):
             )
 
     # ---------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim's state dict, plus the optimizer kind under ``"optimizer"`` (its
+        class name, so that :meth:`load_state_dict` can tell another optimizer's)."""
+        return {**super().state_dict(), checkpoint.KIND_KEY: type(self).__name__}
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state; unlike torch.optim, every state tensor keeps its own dtype."""
+        """Load a state; unlike torch.optim, every state tensor keeps its own dtype.
+
+        Raises ValueError, before changing anything, when the checkpoint does not fit
+        (another optimizer, model, structure; :mod:`.checkpoint`).
+        """
+        checkpoint.check_fits(self, state_dict)
         saved = state_dict["state"]
-        super().load_state_dict(state_dict)
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != checkpoint.KIND_KEY})
+        for group in self.param_groups:  # the loaded hyperparameters are the ones in use
+            hyperparameters.accept(self, group)
         params = [p for g in self.param_groups for p in g["params"]]
         for index, param_state in saved.items():
             param = params[index]
@@ -649,6 +661,45 @@ class KroneckerOptimizer(Optimizer):
     def load_full_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a :meth:`full_state_dict` (each rank keeps the layers it owns)."""
         self.load_state_dict(state_dict)
+
+    # ------------------------------------------------------ copies and repr
+    def __deepcopy__(self, memo: dict) -> KroneckerOptimizer:
+        raise TypeError(
+            f"{type(self).__name__} cannot be deep-copied: it is bound to its model (hooks "
+            "on its layers). Copy the state instead: new = "
+            f"{type(self).__name__}(model_copy, ...); "
+            "new.load_state_dict(copy.deepcopy(opt.state_dict()))"
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError(
+            f"{type(self).__name__} cannot be pickled: it is bound to its model (hooks on "
+            "its layers). Save its state instead: torch.save(opt.state_dict(), path), then "
+            f"{type(self).__name__}(model, ...).load_state_dict(torch.load(path))"
+        )
+
+    def unused_hyperparameters(self, group: dict) -> set[str]:
+        """Keys of ``group`` that its rule does not read (left out of ``repr``)."""
+        unused = set() if group["norm_fisher"] else {"norm_damping"}
+        if group["momentum_lr_ratio"] is None:
+            unused.add("momentum_lr_ratio")
+        return unused
+
+    def __repr__(self) -> str:
+        fallback = {id(p) for p in self._fallback_params}
+        lines = [f"{type(self).__name__} ("]
+        for index, group in enumerate(self.param_groups):
+            layers = [layer for layer in self._layers if self.group_of(layer) is group]
+            others = sum(id(p) in fallback for p in group["params"])
+            lines.append(
+                f"Parameter Group {index}: {len(layers)} preconditioned layer(s), "
+                f"{others} parameter(s) with the AdamW fallback"
+            )
+            hidden = self.unused_hyperparameters(group) | {"params"}
+            for key in sorted(k for k in group if k not in hidden):
+                lines.append(f"    {key}: {group[key]!r}")
+        lines.append(")")
+        return "\n".join(lines)
 
     def remove_hooks(self) -> None:
         """Detach the optimizer from the model (no more statistics are captured)."""

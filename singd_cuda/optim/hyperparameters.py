@@ -237,15 +237,15 @@ def _apply_changes(optimizer: KroneckerOptimizer, index: int, group: dict, old: 
             f"to {group.get('norm_fisher')!r}; it is fixed at construction (set it back, or "
             f"pass it to {type(optimizer).__name__}(...))"
         )
-    if "structures" in group and tuple(old["structures"]) != tuple(group["structures"]):
-        if with_factors:
-            raise ValueError(
-                f"param_groups[{index}]['structures'] changed from {tuple(old['structures'])} "
-                f"to {tuple(group['structures'])} after the group's factors were created; "
-                "factors do not convert between structures: set it back, or start a new "
-                f"{type(optimizer).__name__} with the new structures (its factors start "
-                "at the identity)"
-            )
+    structures = group.get("structures")
+    if with_factors and structures is not None and tuple(old["structures"]) != structures:
+        raise ValueError(
+            f"param_groups[{index}]['structures'] changed from {tuple(old['structures'])} "
+            f"to {structures} after the group's factors were created; factors do not "
+            "convert between structures: set it back, or start a new "
+            f"{type(optimizer).__name__} with the new structures (its factors start at the "
+            "identity)"
+        )
     if old.get("factor_dtype") != group.get("factor_dtype"):
         for layer in with_factors:
             _cast_factors(optimizer, layer, group)

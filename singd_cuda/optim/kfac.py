@@ -30,6 +30,7 @@ from ..distributed.synchronizer import DEFAULT_BUCKET_CAP_MB
 from ..structures.base import accumulation_dtype
 from . import hyperparameters as hp
 from .base import KroneckerOptimizer, LayerRule, checked_fallback, scheduled, sgd_update_
+from .factor_memory import warn_large_factors
 
 INVERSE_METHODS = ("inverse", "eigen")
 FISHER_TYPES = ("empirical", "ggn")
@@ -165,6 +166,7 @@ class KFAC(KroneckerOptimizer):
             distribute_factors=distribute_factors,
             bucket_cap_mb=bucket_cap_mb,
         )
+        warn_large_factors(self, "K-FAC's factors are dense; SINGD with structures= is lighter")
 
     def hyperparameter_checks(self, group: dict) -> dict[str, hp.Check]:
         return {
