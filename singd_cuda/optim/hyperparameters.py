@@ -238,17 +238,42 @@ def _apply_changes(optimizer: KroneckerOptimizer, index: int, group: dict, old: 
             f"pass it to {type(optimizer).__name__}(...))"
         )
     structures = group.get("structures")
-    if with_factors and structures is not None and tuple(old["structures"]) != structures:
-        raise ValueError(
-            f"param_groups[{index}]['structures'] changed from {tuple(old['structures'])} "
-            f"to {structures} after the group's factors were created; factors do not "
-            "convert between structures: set it back, or start a new "
-            f"{type(optimizer).__name__} with the new structures (its factors start at the "
-            "identity)"
-        )
+    if structures is not None and tuple(old["structures"]) != structures:
+        _check_factors_fit(optimizer, index, group, old, with_factors)
     if old.get("factor_dtype") != group.get("factor_dtype"):
         for layer in with_factors:
             _cast_factors(optimizer, layer, group)
+
+
+def _check_factors_fit(optimizer, index: int, group: dict, old: dict, layers: list) -> None:
+    """ValueError unless the existing factors of ``layers`` already have the layout of the
+    group's new structures (e.g. created by this step's statistics, after the edit)."""
+    for layer in layers:
+        state = optimizer.state[layer.weight]
+        expected = factor_keys(optimizer, layer, group)
+        if all(key in state and same_layout(state[key], expected[key]) for key in expected):
+            continue
+        raise ValueError(
+            f"param_groups[{index}]['structures'] changed from {tuple(old['structures'])} "
+            f"to {group['structures']} after the group's factors were created; factors do "
+            "not convert between structures: set it back, or start a new "
+            f"{type(optimizer).__name__} with the new structures (its factors start at the "
+            "identity)"
+        )
+
+
+def same_layout(value: Any, expected: Any) -> bool:
+    """``value`` is laid out as ``expected`` (a tensor of its shape, a dict of such with
+    the same keys, or a non-tensor)."""
+    if isinstance(expected, dict):
+        return (
+            isinstance(value, dict)
+            and set(value) == set(expected)
+            and all(same_layout(value[k], expected[k]) for k in expected)
+        )
+    if isinstance(expected, Tensor):
+        return isinstance(value, Tensor) and value.shape == expected.shape
+    return not isinstance(value, Tensor | dict)
 
 
 def factor_keys(optimizer: KroneckerOptimizer, layer: Layer, group: dict) -> dict[str, Any]:
