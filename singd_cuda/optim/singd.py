@@ -33,9 +33,10 @@ StructureSpec = str | type[StructuredMatrix]
 def resolve_structures(spec: Any) -> tuple[str, str]:
     """(K side, C side) spec strings from a name, a pair, or structure classes.
 
-    "adafisher" stands alone (both sides). Raises ValueError for anything unknown.
+    "adafisher" stands alone (both sides; the pair it resolves to is accepted too).
+    Raises ValueError for anything unknown.
     """
-    if spec == ADAFISHER:
+    if spec == ADAFISHER or (isinstance(spec, list | tuple) and tuple(spec) == (ADAFISHER,) * 2):
         return (ADAFISHER, ADAFISHER)
     pair = tuple(spec) if isinstance(spec, list | tuple) else (spec, spec)
     if len(pair) != 2:
