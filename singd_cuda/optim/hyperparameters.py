@@ -35,6 +35,7 @@ Check = Callable[[str, Any], Any]
 SCHEDULABLE = ("T", "damping", "lr_cov", "norm_damping")
 FACTOR_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 _UNREAD = ("params", "step")  # not hyperparameters: the parameters and the step counter
+_STATEFUL = ("structures", "factor_dtype", "norm_fisher")  # changes that concern the state
 
 
 def _is_number(value: Any) -> bool:
@@ -150,26 +151,42 @@ class GroupWatch:
 
     def __init__(self) -> None:
         self.snapshots: list[dict | None] = []
+        self.checks: list[dict[str, Check]] = []
         self.scheduled: list[list[tuple[str, Check]]] = []
 
-    def remember(self, index: int, group: dict, checks: dict[str, Check]) -> None:
+    def remember(
+        self, index: int, group: dict, checks: dict[str, Check], keys: set[str] | None = None
+    ) -> None:
+        """Remember the group's values (only ``keys`` when given) and its checks."""
         while len(self.snapshots) <= index:
             self.snapshots.append(None)
+            self.checks.append({})
             self.scheduled.append([])
-        self.snapshots[index] = {k: v for k, v in group.items() if k not in _UNREAD}
-        self.scheduled[index] = [
-            (key, checks[key]) for key in SCHEDULABLE if key in checks and callable(group[key])
-        ]
+        snapshot = self.snapshots[index]
+        if keys is None or snapshot is None:
+            self.snapshots[index] = {k: v for k, v in group.items() if k not in _UNREAD}
+        else:
+            snapshot.update((key, group[key]) for key in keys)
+        self.checks[index] = checks
+        if keys is None or not keys.isdisjoint(SCHEDULABLE):
+            self.scheduled[index] = [
+                (key, checks[key]) for key in SCHEDULABLE if key in checks and callable(group[key])
+            ]
 
-    def unchanged(self, index: int, group: dict) -> bool:
+    def changed(self, index: int, group: dict) -> set[str] | None:
+        """The keys whose value changed since the last validation (empty: none), or None
+        when the group is new or gained or lost keys."""
         snapshot = self.snapshots[index] if index < len(self.snapshots) else None
         if snapshot is None or len(group) != len(snapshot) + len(_UNREAD):
-            return False
+            return None
+        changed = set()
         for key, value in snapshot.items():
             current = group.get(key, snapshot)  # the snapshot itself: a missing key
+            if current is snapshot:
+                return None
             if current is not value and not _equal(current, value):
-                return False
-        return True
+                changed.add(key)
+        return changed
 
 
 def _equal(a: Any, b: Any) -> bool:
@@ -203,8 +220,9 @@ def check_step(optimizer: KroneckerOptimizer) -> None:
     callable hyperparameter at the group's step."""
     watch = watch_of(optimizer)
     for index, group in enumerate(optimizer.param_groups):
-        if not watch.unchanged(index, group):
-            _revalidate(optimizer, watch, index, group)
+        changed = watch.changed(index, group)
+        if changed is None or changed:
+            _revalidate(optimizer, watch, index, group, changed)
         for key, check in watch.scheduled[index]:
             value = group[key](group["step"])
             try:
@@ -216,16 +234,27 @@ def check_step(optimizer: KroneckerOptimizer) -> None:
                 ) from None
 
 
-def _revalidate(optimizer: KroneckerOptimizer, watch: GroupWatch, index: int, group: dict):
+def _revalidate(
+    optimizer: KroneckerOptimizer,
+    watch: GroupWatch,
+    index: int,
+    group: dict,
+    changed: set[str] | None,
+) -> None:
+    """Validate the ``changed`` keys of a group (all when None, or when ``structures``
+    changed: other rules may depend on it), apply the consequences, remember the values."""
     old = watch.snapshots[index] if index < len(watch.snapshots) else None
-    checks = optimizer.hyperparameter_checks(group)
+    everything = changed is None or "structures" in changed
+    checks = optimizer.hyperparameter_checks(group) if everything else watch.checks[index]
+    some = checks if everything else {key: checks[key] for key in changed if key in checks}
+    old_values = None if old is None else {key: old[key] for key in _STATEFUL if key in old}
     try:
-        validate(group, checks)
+        validate(group, some)
     except ValueError as error:
         raise ValueError(f"param_groups[{index}]: {error}") from None
-    if old is not None:
-        _apply_changes(optimizer, index, group, old)
-    watch.remember(index, group, checks)
+    if old_values is not None and (changed is None or not changed.isdisjoint(_STATEFUL)):
+        _apply_changes(optimizer, index, group, old_values)
+    watch.remember(index, group, checks, None if everything else changed)
 
 
 def _apply_changes(optimizer: KroneckerOptimizer, index: int, group: dict, old: dict) -> None:
