@@ -3,9 +3,10 @@
 :func:`check_fits` runs before anything is loaded. It compares the checkpoint with the
 optimizer: the optimizer kind (``state_dict()["optimizer"]``, when present), the number
 of parameter groups and of parameters per group, the hyperparameter names each group
-needs, the structures of each group, and the state of every parameter: its keys, and the
-shapes of its tensors (factors against the shapes this optimizer would create for the
-layer, buffers against the parameter). A checkpoint from another model, structure or
+needs and their values (validated as at construction), the structures of each group,
+and the state of every parameter: its keys, and the shapes of its tensors (factors
+against the shapes this optimizer would create for the layer, buffers against the
+parameter). A checkpoint from another model, structure or
 optimizer is rejected here rather than failing later inside ``step()``.
 """
 
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
 
-from .hyperparameters import factor_keys
+from .hyperparameters import factor_keys, validate
 
 if TYPE_CHECKING:
     from .base import KroneckerOptimizer
@@ -75,11 +76,16 @@ def _check_group(index: int, saved: dict, group: dict, optimizer, fix: str) -> N
             f"{where} of the checkpoint lacks {missing}: it was saved by another optimizer "
             f"than {type(optimizer).__name__}; {fix}"
         )
-    if "structures" in group and tuple(saved["structures"]) != tuple(group["structures"]):
+    trial = {**saved, "params": group["params"]}
+    try:
+        validate(trial, optimizer.hyperparameter_checks(trial))
+    except ValueError as error:
+        raise CheckpointMismatchError(f"{where} of the checkpoint: {error}") from None
+    if "structures" in group and tuple(trial["structures"]) != tuple(group["structures"]):
         raise CheckpointMismatchError(
-            f"{where} uses structures {tuple(saved['structures'])} in the checkpoint and "
+            f"{where} uses structures {tuple(trial['structures'])} in the checkpoint and "
             f"{tuple(group['structures'])} here; construct the optimizer with "
-            f"structures={tuple(saved['structures'])} to load it"
+            f"structures={tuple(trial['structures'])} to load it"
         )
 
 

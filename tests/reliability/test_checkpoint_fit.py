@@ -137,6 +137,14 @@ def test_a_state_key_of_another_rule_is_rejected():
     assert_rejected(make_optimizer("singd-dense", make_model()), checkpoint, r"unexpected: \['A'\]")
 
 
+@pytest.mark.parametrize(("key", "value"), [("lr", -1.0), ("T", 0), ("loss_average", "mean")])
+def test_an_invalid_hyperparameter_in_the_checkpoint_is_rejected(key, value):
+    checkpoint = saved("singd-dense")
+    checkpoint["param_groups"][0][key] = value
+    opt = make_optimizer("singd-dense", make_model())
+    assert_rejected(opt, checkpoint, rf"param_groups\[0\] of the checkpoint: {key} must be")
+
+
 def test_a_failed_load_leaves_training_as_it_was():
     model = make_model()
     opt = make_optimizer("singd-dense", model)
