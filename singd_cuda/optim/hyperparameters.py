@@ -17,6 +17,7 @@ Changes that concern the state:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -308,11 +309,10 @@ def same_layout(value: Any, expected: Any) -> bool:
 def factor_keys(optimizer: KroneckerOptimizer, layer: Layer, group: dict) -> dict[str, Any]:
     """The state entries the group's rule creates for ``layer`` (its factors), on the
     meta device: keys, tensor shapes and dtypes, no memory."""
-    meta = Layer(
-        layer.name,
-        layer.module,
-        torch.empty(layer.weight.shape, dtype=layer.weight.dtype, device="meta"),
-        None
+    meta = dataclasses.replace(
+        layer,
+        weight=torch.empty(layer.weight.shape, dtype=layer.weight.dtype, device="meta"),
+        bias=None
         if layer.bias is None
         else torch.empty(layer.bias.shape, dtype=layer.bias.dtype, device="meta"),
     )
