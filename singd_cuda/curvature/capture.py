@@ -51,6 +51,9 @@ Statistics = dict  # "in" / "out" -> statistic (a tensor or structured matrix, a
 class CaptureOwner(Protocol):
     """What the capture asks of the optimizer that owns it."""
 
+    def _before_forward(self) -> None:
+        """Called at each grad-enabled forward of the model, before any layer's."""
+
     def _wants_statistics(self, layer: Layer) -> bool:
         """Whether ``layer`` takes statistics on the current step."""
 
@@ -134,6 +137,8 @@ class CurvatureCapture:
     # ------------------------------------------------------------- forward
     def _on_model_forward(self, module: nn.Module, args) -> None:
         self._forward += 1
+        if torch.is_grad_enabled():
+            self._owner._before_forward()
 
     def _hook_weight(self, layer: Layer) -> None:
         """The post-accumulate-grad hook of the layer's weight (once it can take one)."""

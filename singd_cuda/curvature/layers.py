@@ -52,6 +52,11 @@ class Layer:
     def params(self) -> list[nn.Parameter]:
         return [self.weight] if self.bias is None else [self.weight, self.bias]
 
+    def __repr__(self) -> str:  # names and shapes, never tensor contents
+        bias = ", bias" if self.bias is not None else ""
+        weight = tuple(self.weight.shape)
+        return f"Layer('{self.name}', {type(self.module).__name__}, weight {weight}{bias})"
+
 
 def bypassed_modules(model: nn.Module) -> set[int]:
     """ids of supported modules whose own forward never runs, so no statistics reach

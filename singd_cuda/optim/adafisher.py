@@ -5,7 +5,7 @@ DESIGN.md section 4. Per layer: h (d_K) and s (d_C), exponential moving averages
 the mean squared (loss-scaled) output gradient, refreshed every T steps. The
 preconditioner F̃ = s′ ⊗ h′ + λ uses the min–max normalised EMAs, as in the
 paper. The update is Adam-style momentum with bias correction and no square
-root: m ← βm + (1−β)g; θ ← θ − lr · (m / (1−βᵗ)) / F̃.
+root: m ← βm + (1−β)g; θ ← θ − lr · (m / (1−βᵗ)) / F̃, t the layer's own update count.
 
 Departures from the official code, on purpose: its EMA (0.1γ·H + 0.01γ·H_new)
 makes F̃ ≈ λ everywhere, so the paper's EMA is used; and parameters are paired
@@ -23,7 +23,8 @@ from .. import ops
 from ..curvature.layers import Layer
 from ..distributed.synchronizer import DEFAULT_BUCKET_CAP_MB
 from ..structures.base import accumulation_dtype
-from .base import KroneckerOptimizer, LayerRule, checked_fallback, scheduled, validate_common
+from . import hyperparameters as hp
+from .base import KroneckerOptimizer, LayerRule, checked_fallback, scheduled
 from .derived import DerivedCache
 
 ADAFISHER = "adafisher"
@@ -137,6 +138,7 @@ class AdaFisherRule(LayerRule):
         device = layer.weight.device
         state["h"] = torch.zeros(layer.dim_in, dtype=dtype, device=device)
         state["s"] = torch.zeros(layer.dim_out, dtype=dtype, device=device)
+        state["step"] = 0  # the layer's own update count (bias correction, as in Adam)
 
     def accumulate(self, layer, group, state, pending, a: Tensor, g: Tensor) -> None:
         """Column sums of a² and g² (a carries 1/√N, so these are means)."""
@@ -171,30 +173,40 @@ class AdaFisherRule(LayerRule):
 
     def apply_many(self, layers, group, states, inv_scale, step: int, seed: int):
         """:func:`singd_cuda.ops.diag_precond_step_` (mode "adafisher") over every layer:
-        F̃ = s′ ⊗ h′ + λ is formed on the fly, never materialised."""
-        batch = DiagonalBatch()
-        for layer, layer_states in zip(layers, states, strict=True):
+        F̃ = s′ ⊗ h′ + λ is formed on the fly, never materialised.
+
+        The bias correction 1/(1 − βᵗ) counts each layer's own updates (``state["step"]``),
+        as Adam counts each parameter's: a layer first used late gets a normal first step.
+        Layers with equal counts share one op call (one call when all started together).
+        """
+        by_count: dict[int, tuple[int, DiagonalBatch]] = {}
+        for position, (layer, layer_states) in enumerate(zip(layers, states, strict=True)):
             acc = accumulation_dtype(layer.weight.dtype)
             s, h, _ = self._normalised.get(
                 layer,
                 (layer_states[0]["s"], layer_states[0]["h"]),
                 lambda s, h, out, acc=acc: _normalised(s, h, acc, out),
             )
-            batch.add(layer, layer_states, s, h, "exp_avg")
-        ops.diag_precond_step_(
-            *batch.lists(),
-            mode="adafisher",
-            lr=group["lr"],
-            momentum=group["momentum"],
-            damping=scheduled(group["damping"], step),
-            weight_decay=group["weight_decay"],
-            decoupled=group["decoupled_weight_decay"],
-            step=step + 1,
-            inv_scale=inv_scale,
-            stochastic_rounding=group["stochastic_rounding"],
-            seed=seed,
-        )
-        batch.write_back()
+            layer_states[0]["step"] += 1
+            count = layer_states[0]["step"]
+            if count not in by_count:
+                by_count[count] = (position, DiagonalBatch())
+            by_count[count][1].add(layer, layer_states, s, h, "exp_avg")
+        for count, (position, batch) in by_count.items():
+            ops.diag_precond_step_(
+                *batch.lists(),
+                mode="adafisher",
+                lr=group["lr"],
+                momentum=group["momentum"],
+                damping=scheduled(group["damping"], step),
+                weight_decay=group["weight_decay"],
+                decoupled=group["decoupled_weight_decay"],
+                step=count,
+                inv_scale=inv_scale,
+                stochastic_rounding=group["stochastic_rounding"],
+                seed=seed + position,  # the first layer's position: distinct random bits
+            )
+            batch.write_back()
 
 
 class AdaFisher(KroneckerOptimizer):
@@ -251,9 +263,15 @@ class AdaFisher(KroneckerOptimizer):
             bucket_cap_mb=bucket_cap_mb,
         )
 
-    def validate_group(self, group: dict) -> None:
-        super().validate_group(group)
-        validate_common(group, "momentum", "ema_decay")
+    def hyperparameter_checks(self, group: dict) -> dict[str, hp.Check]:
+        return {
+            **super().hyperparameter_checks(group),
+            "momentum": hp.number(below_one=True),
+            "ema_decay": hp.number(below_one=True),
+            # the min–max normalised F̃ has a zero entry: only the damping keeps it invertible
+            "damping": hp.number(positive=True),
+            "decoupled_weight_decay": hp.flag,
+        }
 
     def rule_for(self, group: dict) -> LayerRule:
         return self._rule

@@ -32,7 +32,6 @@ from torch.optim import Optimizer
 from .. import ops
 from ..curvature.capture import CurvatureCapture, merge_statistics, take_over
 from ..curvature.layers import (
-    LOSS_AVERAGES,
     SUPPORTED_LAYERS,
     Layer,
     bypassed_modules,
@@ -48,6 +47,7 @@ from ..distributed import norm_fisher, recipe
 from ..distributed.ownership import layer_cost
 from ..distributed.synchronizer import DEFAULT_BUCKET_CAP_MB, Synchronizer
 from ..structures.base import accumulation_dtype, upcast
+from . import checkpoint, hyperparameters
 from .fallback import adamw_update_
 from .finite import FactorUndo, FiniteCheck, tensors_of
 
@@ -216,40 +216,14 @@ class KroneckerOptimizer(Optimizer):
     def rule_for(self, group: dict) -> LayerRule:
         """The layer rule of a parameter group."""
 
+    def hyperparameter_checks(self, group: dict) -> dict[str, hyperparameters.Check]:
+        """The check of each hyperparameter of ``group`` (extended by subclasses)."""
+        return hyperparameters.common_checks()
+
     def validate_group(self, group: dict) -> None:
-        """Raise ValueError for invalid hyperparameters of a group (extended by subclasses)."""
-        for key in ("lr", "weight_decay", "fallback_weight_decay", "fallback_eps"):
-            value = group[key]
-            if not callable(value) and not (isinstance(value, int | float) and value >= 0):
-                raise ValueError(f"{key} must be a number >= 0, got {value!r}")
-        if group["fallback_lr"] is not None and group["fallback_lr"] < 0:
-            raise ValueError(f"fallback_lr must be >= 0 or None, got {group['fallback_lr']!r}")
-        betas = group["fallback_betas"]
-        if not (
-            isinstance(betas, tuple | list)
-            and len(betas) == 2
-            and all(isinstance(b, int | float) and 0.0 <= b < 1.0 for b in betas)
-        ):
-            raise ValueError(f"fallback_betas must be a pair of numbers in [0, 1), got {betas!r}")
-        if group["loss_average"] not in LOSS_AVERAGES:
-            raise ValueError(
-                f"loss_average must be one of {LOSS_AVERAGES}, got {group['loss_average']!r}"
-            )
-        dtype = group["factor_dtype"]
-        if dtype is not None and dtype not in (
-            torch.float64,
-            torch.float32,
-            torch.bfloat16,
-            torch.float16,
-        ):
-            raise ValueError(
-                f"factor_dtype must be None or one of torch.float64, float32, bfloat16, float16; "
-                f"got {dtype!r}"
-            )
-        check_positive(group, "norm_damping")
-        ratio = group["momentum_lr_ratio"]
-        if ratio is not None and not (isinstance(ratio, int | float) and ratio >= 0):
-            raise ValueError(f"momentum_lr_ratio must be None or a number >= 0, got {ratio!r}")
+        """Raise ValueError for invalid hyperparameters of a group; remember its values so
+        that :meth:`step` re-validates it when one changes (:mod:`.hyperparameters`)."""
+        hyperparameters.accept(self, group)
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group; after construction its layers are found and hooked too (call it
@@ -377,6 +351,10 @@ class KroneckerOptimizer(Optimizer):
             raise ValueError(f"T must be >= 1, got {period}")
         return period
 
+    def _before_forward(self) -> None:
+        """Validate edited hyperparameters before the capture reads them."""
+        hyperparameters.check_step(self, scheduled=False)
+
     def _loss_terms(self, layer: Layer, output: Tensor) -> int:
         """The loss terms one call's output covers (its batch, or batch x positions)."""
         loss_average = self.group_of(layer)["loss_average"]
@@ -477,6 +455,7 @@ class KroneckerOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         try:
+            hyperparameters.check_step(self)  # param_groups edited since the last step
             self._step()
         except BaseException:
             # leave nothing stale behind: a GradScaler deletes its loss scale after a
@@ -751,10 +730,22 @@ class KroneckerOptimizer(Optimizer):
             )
 
     # ---------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim's state dict, plus the optimizer kind under ``"optimizer"`` (its
+        class name, so that :meth:`load_state_dict` can tell another optimizer's)."""
+        return {**super().state_dict(), checkpoint.KIND_KEY: type(self).__name__}
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state; unlike torch.optim, every state tensor keeps its own dtype."""
+        """Load a state; unlike torch.optim, every state tensor keeps its own dtype.
+
+        Raises ValueError, before changing anything, when the checkpoint does not fit
+        (another optimizer, model, structure; :mod:`.checkpoint`).
+        """
+        checkpoint.check_fits(self, state_dict)
         saved = state_dict["state"]
-        super().load_state_dict(state_dict)
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != checkpoint.KIND_KEY})
+        for group in self.param_groups:  # the loaded hyperparameters are the ones in use
+            hyperparameters.accept(self, group)
         params = [p for g in self.param_groups for p in g["params"]]
         for index, param_state in saved.items():
             param = params[index]
@@ -784,6 +775,45 @@ class KroneckerOptimizer(Optimizer):
     def load_full_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a :meth:`full_state_dict` (each rank keeps the layers it owns)."""
         self.load_state_dict(state_dict)
+
+    # ------------------------------------------------------ copies and repr
+    def __deepcopy__(self, memo: dict) -> KroneckerOptimizer:
+        raise TypeError(
+            f"{type(self).__name__} cannot be deep-copied: it is bound to its model (hooks "
+            "on its layers). Copy the state instead: new = "
+            f"{type(self).__name__}(model_copy, ...); "
+            "new.load_state_dict(copy.deepcopy(opt.state_dict()))"
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError(
+            f"{type(self).__name__} cannot be pickled: it is bound to its model (hooks on "
+            "its layers). Save its state instead: torch.save(opt.state_dict(), path), then "
+            f"{type(self).__name__}(model, ...).load_state_dict(torch.load(path))"
+        )
+
+    def unused_hyperparameters(self, group: dict) -> set[str]:
+        """Keys of ``group`` that its rule does not read (left out of ``repr``)."""
+        unused = set() if group["norm_fisher"] else {"norm_damping"}
+        if group["momentum_lr_ratio"] is None:
+            unused.add("momentum_lr_ratio")
+        return unused
+
+    def __repr__(self) -> str:
+        fallback = {id(p) for p in self._fallback_params}
+        lines = [f"{type(self).__name__} ("]
+        for index, group in enumerate(self.param_groups):
+            layers = [layer for layer in self._layers if self.group_of(layer) is group]
+            others = sum(id(p) in fallback for p in group["params"])
+            lines.append(
+                f"Parameter Group {index}: {len(layers)} preconditioned layer(s), "
+                f"{others} parameter(s) with the AdamW fallback"
+            )
+            hidden = self.unused_hyperparameters(group) | {"params"}
+            for key in sorted(k for k in group if k not in hidden):
+                lines.append(f"    {key}: {group[key]!r}")
+        lines.append(")")
+        return "\n".join(lines)
 
     def remove_hooks(self) -> None:
         """Detach the optimizer from the model (no more statistics are captured)."""
@@ -855,22 +885,6 @@ def _keep_dtypes(saved_value: Any, loaded: Any, device: torch.device) -> Any:
     return loaded
 
 
-def check_positive(group: dict, *keys: str, allow_zero: bool = True) -> None:
-    """ValueError unless every key of ``group`` is a (scheduled) number in range."""
-    for key in keys:
-        value = group[key]
-        if callable(value):
-            continue
-        ok = (
-            isinstance(value, int | float)
-            and math.isfinite(value)
-            and (value >= 0 if allow_zero else value > 0)
-        )
-        if not ok:
-            bound = ">= 0" if allow_zero else "> 0"
-            raise ValueError(f"{key} must be a number {bound}, got {value!r}")
-
-
 def checked_fallback(fallback: dict[str, Any]) -> dict[str, Any]:
     """The ``fallback_*`` keyword arguments; TypeError for any other unknown keyword."""
     valid = sorted(k for k in KroneckerOptimizer.common_defaults if k.startswith("fallback_"))
@@ -883,14 +897,3 @@ def checked_fallback(fallback: dict[str, Any]) -> dict[str, Any]:
             f"arguments only the AdamW fallback's settings are accepted: {', '.join(valid)}"
         )
     return fallback
-
-
-def validate_common(group: dict, *unit_interval: str) -> None:
-    """Damping >= 0, each of ``unit_interval`` in [0, 1), T an integer >= 1 or a callable."""
-    check_positive(group, "damping")
-    for key in unit_interval:
-        if not callable(group[key]) and not 0.0 <= group[key] < 1.0:
-            raise ValueError(f"{key} must be in [0, 1), got {group[key]!r}")
-    period = group["T"]
-    if not callable(period) and not (isinstance(period, int) and period >= 1):
-        raise ValueError(f"T must be an integer >= 1 or a callable of the step, got {period!r}")

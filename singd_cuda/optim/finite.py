@@ -42,7 +42,10 @@ class FiniteCheck:
 
     def _found(self, device: torch.device) -> Tensor:
         if device not in self._buffers:
-            self._buffers[device] = (torch.zeros(1, device=device), torch.ones(1, device=device))
+            self._buffers[device] = (  # float32 whatever the default dtype (the op's contract)
+                torch.zeros(1, dtype=torch.float32, device=device),
+                torch.ones(1, dtype=torch.float32, device=device),
+            )
         found = self._buffers[device][0]
         return found.zero_()
 

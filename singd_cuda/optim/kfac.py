@@ -1,7 +1,8 @@
 """The dense K-FAC baseline (Martens & Grosse, 2015), with explicit inversion.
 
 Per layer: dense factors A ≈ E[aaᵀ] (d_K x d_K) and G ≈ E[ggᵀ] (d_C x d_C),
-exponential moving averages refreshed every T steps; every ``T_inv`` steps the
+exponential moving averages refreshed every T steps; at the first factor update
+at least ``T_inv`` steps after the previous inversion (the first update inverts) the
 damped inverses (A + √λ I)⁻¹ and (G + √λ I)⁻¹ are recomputed (by ``inverse``:
 "inverse" = torch.linalg.inv, "eigen" = an eigendecomposition). The gradient is
 preconditioned as G⁻¹ ∇W A⁻¹ and applied with momentum SGD.
@@ -27,14 +28,9 @@ from torch import Tensor, nn
 from ..curvature.layers import Layer, split_matrix
 from ..distributed.synchronizer import DEFAULT_BUCKET_CAP_MB
 from ..structures.base import accumulation_dtype
-from .base import (
-    KroneckerOptimizer,
-    LayerRule,
-    checked_fallback,
-    scheduled,
-    sgd_update_,
-    validate_common,
-)
+from . import hyperparameters as hp
+from .base import KroneckerOptimizer, LayerRule, checked_fallback, scheduled, sgd_update_
+from .factor_memory import warn_large_factors
 
 INVERSE_METHODS = ("inverse", "eigen")
 FISHER_TYPES = ("empirical", "ggn")
@@ -61,6 +57,7 @@ class KfacRule(LayerRule):
             state[key] = torch.zeros(dim, dim, dtype=dtype, device=device)
             state[f"{key}_inv"] = torch.eye(dim, dtype=dtype, device=device)
         state["factor_updates"] = 0
+        state["inverted_at"] = 0  # the step of the last inversion
 
     def accumulate(self, layer, group, state, pending, a: Tensor | None, g: Tensor) -> None:
         """Sums of aᵀa and gᵀg (a carries 1/√N and g √L, so these are averages).
@@ -80,7 +77,9 @@ class KfacRule(LayerRule):
             ema = state[key].to(new.dtype).mul_(decay).add_(new, alpha=1.0 - decay)
             state[key].copy_(ema)
         state["factor_updates"] += 1
-        if step % (group["T_inv"] or 1) == 0:
+        first = state["factor_updates"] == 1
+        if first or step - state["inverted_at"] >= (group["T_inv"] or 1):
+            state["inverted_at"] = step
             root = math.sqrt(scheduled(group["damping"], step))
             for key in ("A", "G"):
                 state[f"{key}_inv"].copy_(damped_inverse(state[key], root, group["inverse"]))
@@ -96,8 +95,10 @@ class KFAC(KroneckerOptimizer):
     """Dense K-FAC: ``KFAC(model, lr=1e-3, momentum=0.9, damping=1e-3, weight_decay=0.0,
     T=10, T_inv=None, stat_decay=0.95, inverse="inverse", fisher="empirical", ...)``.
 
-    ``T_inv`` (None: at every factor update) recomputes the inverses on the factor
-    updates whose step is a multiple of it (use a multiple of T).
+    ``T_inv`` (None: at every factor update): the inverses are recomputed at the first
+    factor update and then at the first factor update at least ``T_inv`` steps after the
+    previous inversion (T=10, T_inv=3: every factor update; T=1, T_inv=3: steps 0, 3, 6, ...;
+    T=3, T_inv=5: steps 0, 6, 12, ...), whatever T is, callables included.
 
     Large-batch recipe (Osawa et al., arXiv 1811.12019): ``norm_fisher=True`` trains
     BatchNorm/LayerNorm/GroupNorm affine parameters with a diagonal empirical Fisher
@@ -165,17 +166,18 @@ class KFAC(KroneckerOptimizer):
             distribute_factors=distribute_factors,
             bucket_cap_mb=bucket_cap_mb,
         )
+        warn_large_factors(self, "K-FAC's factors are dense; SINGD with structures= is lighter")
 
-    def validate_group(self, group: dict) -> None:
-        super().validate_group(group)
-        validate_common(group, "momentum", "stat_decay")
-        if group["inverse"] not in INVERSE_METHODS:
-            raise ValueError(f"inverse must be one of {INVERSE_METHODS}, got {group['inverse']!r}")
-        if group["fisher"] not in FISHER_TYPES:
-            raise ValueError(f"fisher must be one of {FISHER_TYPES}, got {group['fisher']!r}")
-        T_inv = group["T_inv"]
-        if T_inv is not None and not (isinstance(T_inv, int) and T_inv >= 1):
-            raise ValueError(f"T_inv must be None or an integer >= 1, got {T_inv!r}")
+    def hyperparameter_checks(self, group: dict) -> dict[str, hp.Check]:
+        return {
+            **super().hyperparameter_checks(group),
+            "momentum": hp.number(below_one=True),
+            "stat_decay": hp.number(below_one=True),
+            "damping": hp.number(),
+            "T_inv": hp.optional_period,
+            "inverse": hp.one_of(INVERSE_METHODS),
+            "fisher": hp.one_of(FISHER_TYPES),
+        }
 
     def rule_for(self, group: dict) -> LayerRule:
         return self._rule
@@ -211,7 +213,8 @@ class KFAC(KroneckerOptimizer):
                 root = torch.eye(flat.shape[1], dtype=flat.dtype, device=flat.device)
                 root = root.expand(flat.shape[0], -1, -1)
             else:
-                p = torch.softmax(flat.float(), dim=-1).to(flat.dtype)
+                # float32 for half outputs, the output's own dtype otherwise
+                p = torch.softmax(flat.to(accumulation_dtype(flat.dtype)), -1).to(flat.dtype)
                 root = torch.diag_embed(p.sqrt()) - p.unsqueeze(2) * p.sqrt().unsqueeze(1)
         params = [p for layer in self._layers for p in layer.params]
         try:

@@ -21,17 +21,11 @@ from ..distributed.statistics import congruence, shared_statistic
 from ..distributed.synchronizer import DEFAULT_BUCKET_CAP_MB
 from ..structures.base import StructuredMatrix, accumulation_dtype
 from ..structures.diagonal import Diagonal
+from . import hyperparameters as hp
 from .adafisher import ADAFISHER, AdaFisherRule, DiagonalBatch
-from .base import (
-    KroneckerOptimizer,
-    LayerRule,
-    check_positive,
-    checked_fallback,
-    scheduled,
-    sgd_update_,
-    validate_common,
-)
+from .base import KroneckerOptimizer, LayerRule, checked_fallback, scheduled, sgd_update_
 from .derived import DerivedCache
+from .factor_memory import warn_large_factors
 
 StructureSpec = str | type[StructuredMatrix]
 
@@ -39,9 +33,10 @@ StructureSpec = str | type[StructuredMatrix]
 def resolve_structures(spec: Any) -> tuple[str, str]:
     """(K side, C side) spec strings from a name, a pair, or structure classes.
 
-    "adafisher" stands alone (both sides). Raises ValueError for anything unknown.
+    "adafisher" stands alone (both sides; the pair it resolves to is accepted too).
+    Raises ValueError for anything unknown.
     """
-    if spec == ADAFISHER:
+    if spec == ADAFISHER or (isinstance(spec, list | tuple) and tuple(spec) == (ADAFISHER,) * 2):
         return (ADAFISHER, ADAFISHER)
     pair = tuple(spec) if isinstance(spec, list | tuple) else (spec, spec)
     if len(pair) != 2:
@@ -294,7 +289,7 @@ class SINGD(KroneckerOptimizer):
     """Structured inverse-free natural gradient descent.
 
     ``SINGD(model, lr=1e-3, momentum=0.9, damping=1e-3, alpha1=0.5, weight_decay=0.0,
-    T=10, lr_cov=1e-2, structures="dense", kfac_like=False, ...)``: see the README.
+    T=10, lr_cov=1e-2, structures="block_diagonal:32", kfac_like=False, ...)``: see the README.
     ``structures`` is a name ("dense", "diagonal", "block_diagonal:32", "low_rank:8",
     "tril_toeplitz", "triu_toeplitz", "hierarchical:15,15"), a (K side, C side) pair,
     structure classes, or "adafisher" (AdaFisher's diagonal rule, DESIGN.md section 4).
@@ -321,7 +316,7 @@ class SINGD(KroneckerOptimizer):
         weight_decay: float = 0.0,
         T: int = 10,
         lr_cov: float = 1e-2,
-        structures: Any = "dense",
+        structures: Any = "block_diagonal:32",
         kfac_like: bool = False,
         normalize_lr_cov: bool = False,
         loss_average: str | None = "batch",
@@ -373,12 +368,31 @@ class SINGD(KroneckerOptimizer):
             distribute_factors=distribute_factors,
             bucket_cap_mb=bucket_cap_mb,
         )
+        warn_large_factors(self, "Pass structures= a structured choice")
 
-    def validate_group(self, group: dict) -> None:
-        super().validate_group(group)
-        group["structures"] = resolve_structures(group["structures"])
-        check_positive(group, "lr_cov")
-        validate_common(group, "momentum", "alpha1", "ema_decay")
+    def hyperparameter_checks(self, group: dict) -> dict[str, hp.Check]:
+        spec = group.get("structures")
+        adafisher = spec == ADAFISHER or (isinstance(spec, tuple | list) and ADAFISHER in spec)
+        return {
+            **super().hyperparameter_checks(group),
+            "structures": lambda key, value: resolve_structures(value),
+            "momentum": hp.number(below_one=True),
+            "alpha1": hp.number(below_one=True),
+            "ema_decay": hp.number(below_one=True),
+            # AdaFisher's normalised F̃ has a zero entry: only the damping keeps it invertible
+            "damping": hp.number(positive=adafisher),
+            "lr_cov": hp.number(),
+            "kfac_like": hp.flag,
+            "normalize_lr_cov": hp.flag,
+            "decoupled_weight_decay": hp.flag,
+        }
+
+    def unused_hyperparameters(self, group: dict) -> set[str]:
+        unused = super().unused_hyperparameters(group)
+        if group["structures"][0] == ADAFISHER:
+            return unused | {"alpha1", "lr_cov", "kfac_like", "normalize_lr_cov"}
+        unused |= {"ema_decay", "decoupled_weight_decay"}
+        return unused | ({"alpha1"} if group["kfac_like"] else set())
 
     def rule_for(self, group: dict) -> LayerRule:
         return self._rules[ADAFISHER if group["structures"][0] == ADAFISHER else "singd"]

@@ -80,7 +80,13 @@ def test_norm_fisher_is_the_per_term_empirical_fisher_and_sets_the_update(norm, 
     lr, damping = 0.1, 1e-2
     twin = copy.deepcopy(model)  # before the optimizer hooks the model
     opt = SINGD(
-        model, lr=lr, T=1, norm_fisher=True, norm_damping=damping, loss_average=loss_average
+        model,
+        structures="dense",
+        lr=lr,
+        T=1,
+        norm_fisher=True,
+        norm_damping=damping,
+        loss_average=loss_average,
     )
     # the per-term gradients, one autograd call per term, on the unhooked copy
     terms, L = terms_of(twin, kind, loss_average)
@@ -102,7 +108,7 @@ def test_norm_fisher_is_the_per_term_empirical_fisher_and_sets_the_update(norm, 
 
 def test_without_norm_fisher_norm_parameters_use_the_fallback():
     model = conv_model("batch")
-    opt = SINGD(model, lr=0.1, T=1)
+    opt = SINGD(model, structures="dense", lr=0.1, T=1)
     x, y = image_batch()
     F.cross_entropy(model(x), y).backward()
     opt.step()
@@ -164,7 +170,7 @@ def test_weight_rescale_sets_each_weight_norm_after_the_update(name):
 
 def test_weight_rescale_trains():
     model = conv_model("group")
-    opt = SINGD(model, lr=0.05, T=2, damping=1e-2, weight_rescale=True)
+    opt = SINGD(model, structures="dense", lr=0.05, T=2, damping=1e-2, weight_rescale=True)
     first, last = train_loss(model, opt)
     assert last < 0.6 * first
     for index in (0, 4):
@@ -203,7 +209,7 @@ def test_momentum_follows_the_scheduled_learning_rate(name):
 
 def test_momentum_lr_ratio_trains_and_is_validated():
     model = conv_model("batch")
-    opt = SINGD(model, lr=0.05, T=2, damping=1e-2, momentum_lr_ratio=18.0)
+    opt = SINGD(model, structures="dense", lr=0.05, T=2, damping=1e-2, momentum_lr_ratio=18.0)
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=20, gamma=0.5)
     first, last = train_loss(model, opt, scheduler=scheduler)
     assert last < 0.6 * first
@@ -211,7 +217,7 @@ def test_momentum_lr_ratio_trains_and_is_validated():
     with pytest.raises(ValueError, match="momentum_lr_ratio"):
         SINGD(model, momentum_lr_ratio=-1.0)
     with pytest.raises(ValueError, match="not in"):
-        opt = SINGD(model, lr=0.5, momentum_lr_ratio=2.0)
+        opt = SINGD(model, structures="dense", lr=0.5, momentum_lr_ratio=2.0)
         x, y = image_batch()
         F.cross_entropy(model(x), y).backward()
         opt.step()
@@ -235,7 +241,9 @@ def test_schedule_values():
 
 def test_a_state_dict_with_schedules_loads_with_weights_only():
     model = conv_model("group")
-    opt = SINGD(model, T=Piecewise([1, 10], [500]), damping=Warmup(1e-1, 1e-3, 100))
+    opt = SINGD(
+        model, structures="dense", T=Piecewise([1, 10], [500]), damping=Warmup(1e-1, 1e-3, 100)
+    )
     buffer = io.BytesIO()
     torch.save(opt.state_dict(), buffer)
     buffer.seek(0)

@@ -60,11 +60,11 @@ MODELS = {"mlp": make_mlp, "cnn": make_cnn}
 
 # Optimizer cases shared by the behaviour tests: (class, keyword arguments).
 OPTIMIZERS = {
-    "singd-dense": (SINGD, dict(lr=0.05, lr_cov=0.05, T=2, weight_decay=1e-2)),
+    "singd-dense": (SINGD, dict(structures="dense", lr=0.05, lr_cov=0.05, T=2, weight_decay=1e-2)),
     "singd-block_diagonal": (SINGD, dict(lr=0.05, lr_cov=0.05, T=2, structures="block_diagonal:5")),
     "singd-tril_toeplitz": (SINGD, dict(lr=0.05, lr_cov=0.05, T=1, structures="tril_toeplitz")),
     "singd-hierarchical": (SINGD, dict(lr=0.05, T=1, structures="hierarchical:4,4")),
-    "ikfac": (SINGD, dict(lr=0.05, lr_cov=0.05, T=2, kfac_like=True)),
+    "ikfac": (SINGD, dict(structures="dense", lr=0.05, lr_cov=0.05, T=2, kfac_like=True)),
     "adafisher": (AdaFisher, dict(lr=0.01, T=1, weight_decay=1e-2)),
 }
 

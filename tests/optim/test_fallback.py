@@ -72,7 +72,7 @@ def test_fallback_lr_defaults_to_the_group_lr():
     """fallback_lr=None: the fallback uses the group's lr (and follows its scheduler)."""
     model = TokenModel().double()
     reference = clone_model(model)
-    opt = SINGD(model, lr=0.01, T=1)
+    opt = SINGD(model, structures="dense", lr=0.01, T=1)
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     adamw = torch.optim.AdamW([reference.embed.weight], lr=0.01, weight_decay=0.0)
     adamw_scheduler = torch.optim.lr_scheduler.StepLR(adamw, step_size=1, gamma=0.5)
@@ -110,9 +110,9 @@ def test_attention_out_projection_trains_with_the_fallback():
     plain SGD at SINGD's lr): it trains with AdamW like the rest of the attention."""
     model = Attention().double()
     reference = clone_model(model)
-    opt = SINGD(model, lr=0.05, T=1, fallback_lr=0.01)
+    opt = SINGD(model, structures="dense", lr=0.05, T=1, fallback_lr=0.01)
     assert [layer.module for layer in opt.layers] == [model.head]
-    head_opt = SINGD(reference, reference.head.parameters(), lr=0.05, T=1)
+    head_opt = SINGD(reference, reference.head.parameters(), structures="dense", lr=0.05, T=1)
     adamw = torch.optim.AdamW(reference.attention.parameters(), lr=0.01, weight_decay=0.0)
     gen = torch.Generator().manual_seed(6)
     for _ in range(5):

@@ -124,7 +124,7 @@ def test_one_update_call_per_step_whatever_the_depth(name, monkeypatch):
 @pytest.mark.parametrize(
     ("cls", "kwargs"),
     [
-        (SINGD, dict(lr=0.05, T=2)),
+        (SINGD, dict(structures="dense", lr=0.05, T=2)),
         (SINGD, dict(lr=0.05, T=1, structures="tril_toeplitz", norm_fisher=True)),
         (KFAC, dict(lr=0.05, T=2)),
     ],

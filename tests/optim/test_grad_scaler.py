@@ -76,7 +76,7 @@ def test_unscale_and_clip_equals_no_scaler(name):
 
 def test_unscale_without_grad_scaler_names_the_fix():
     model = MODELS["mlp"]()
-    opt = SINGD(model, T=1)
+    opt = SINGD(model, structures="dense", T=1)
     scaler = constant_scaler()
     x, y = random_batches("mlp", 1)[0]
     scaler.scale(loss_fn(model(x), y)).backward()

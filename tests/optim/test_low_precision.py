@@ -46,7 +46,7 @@ def make_optimizer(structure: str, model, **kwargs):
         return AdaFisher(model, lr=2e-3, **kwargs)
     common = dict(lr=1e-2, damping=1e-2, lr_cov=0.05, T=5)
     if structure == "ikfac":
-        return SINGD(model, kfac_like=True, **common, **kwargs)
+        return SINGD(model, structures="dense", kfac_like=True, **common, **kwargs)
     return SINGD(model, structures=structure, **common, **kwargs)
 
 
@@ -122,7 +122,12 @@ def test_stochastic_rounding_is_independent_across_layers(stochastic_rounding):
     rounding: each parameter must draw its own rounding noise."""
     model = TwinLinear().to(torch.bfloat16)
     opt = SINGD(
-        model, lr=1e-2, T=1, factor_dtype=torch.bfloat16, stochastic_rounding=stochastic_rounding
+        model,
+        structures="dense",
+        lr=1e-2,
+        T=1,
+        factor_dtype=torch.bfloat16,
+        stochastic_rounding=stochastic_rounding,
     )
     x = torch.randn(32, 16, dtype=torch.bfloat16)
     for _ in range(3):

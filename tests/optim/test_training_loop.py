@@ -60,7 +60,7 @@ def test_param_groups_have_their_own_settings():
     model = make_mlp()
     separate = clone_model(model)
     batches = random_batches("mlp", 7)
-    defaults = dict(lr=0.05, lr_cov=0.05, T=1)
+    defaults = dict(structures="dense", lr=0.05, lr_cov=0.05, T=1)
     layers = [model[0], model[2], model[4]]
     opt = SINGD(
         model,
@@ -96,7 +96,7 @@ def test_param_groups_have_their_own_settings():
 
 def test_zero_grad_then_step_changes_nothing():
     model = make_mlp()
-    opt = SINGD(model, T=1, lr=0.05)
+    opt = SINGD(model, structures="dense", T=1, lr=0.05)
     batches = random_batches("mlp", 3)
     train(model, opt, batches[:2])
     opt.zero_grad()
@@ -143,7 +143,7 @@ def test_add_param_group_after_construction():
     upfront = clone_model(model)
     batches = random_batches("mlp", 4)
     first = list(model[0].parameters()) + list(model[2].parameters())
-    opt = SINGD(model, first, lr=0.05, T=1)
+    opt = SINGD(model, first, structures="dense", lr=0.05, T=1)
     opt.add_param_group(dict(params=model[4].parameters(), structures="diagonal", lr=0.02))
     assert [layer.module for layer in opt.layers] == [model[0], model[2], model[4]]
     groups = [
@@ -151,13 +151,13 @@ def test_add_param_group_after_construction():
         dict(params=upfront[4].parameters(), structures="diagonal", lr=0.02),
     ]
     train(model, opt, batches)
-    train(upfront, SINGD(upfront, groups, lr=0.05, T=1), batches)
+    train(upfront, SINGD(upfront, groups, structures="dense", lr=0.05, T=1), batches)
     assert_models_equal(model, upfront)
 
 
 def test_bad_param_group_added_later_leaves_the_optimizer_as_it_was():
     model = make_mlp()
-    opt = SINGD(model, model[0].parameters(), lr=0.05, T=1)
+    opt = SINGD(model, model[0].parameters(), structures="dense", lr=0.05, T=1)
     with pytest.raises(ValueError, match="not a parameter of the model"):
         opt.add_param_group(dict(params=make_mlp(seed=1)[2].parameters()))
     with pytest.raises(ValueError, match="lr must be"):

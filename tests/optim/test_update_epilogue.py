@@ -20,9 +20,9 @@ from .conftest import IN_FEATURES, NUM_CLASSES, loss_fn, random_batches
 WRITING_OPS = ("sgd_epilogue_", "adam_epilogue_", "diag_precond_step_")
 
 CASES = {
-    "singd-dense": (SINGD, dict(lr=0.05, T=1)),
+    "singd-dense": (SINGD, dict(structures="dense", lr=0.05, T=1)),
     "singd-diagonal": (SINGD, dict(lr=0.05, T=1, structures="diagonal")),
-    "singd-norm-fisher": (SINGD, dict(lr=0.05, T=1, norm_fisher=True)),
+    "singd-norm-fisher": (SINGD, dict(structures="dense", lr=0.05, T=1, norm_fisher=True)),
     "kfac": (KFAC, dict(lr=0.05, T=1)),
     "adafisher": (AdaFisher, dict(lr=0.01, T=1)),
 }
@@ -87,7 +87,7 @@ def test_every_parameter_write_goes_through_the_ops(name, monkeypatch):
 
 def test_fallback_writes_a_group_in_one_call(monkeypatch):
     model = Mixed()
-    opt = SINGD(model, lr=0.05, T=1)
+    opt = SINGD(model, structures="dense", lr=0.05, T=1)
     calls = recording_ops(monkeypatch)
     x, y = random_batches("mlp", 1)[0]
     loss_fn(model(x), y).backward()

@@ -1,0 +1,153 @@
+"""Does a checkpoint fit this optimizer? One clear ValueError naming the mismatch.
+
+:func:`check_fits` runs before anything is loaded. It compares the checkpoint with the
+optimizer: the optimizer kind (``state_dict()["optimizer"]``, when present), the number
+of parameter groups and of parameters per group, the hyperparameter names each group
+needs and their values (validated as at construction), the structures of each group,
+and the state of every parameter: its keys, and the shapes of its tensors (factors
+against the shapes this optimizer would create for the layer, buffers against the
+parameter). A checkpoint from another model, structure or
+optimizer is rejected here rather than failing later inside ``step()``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor, nn
+
+from .hyperparameters import factor_keys, validate
+
+if TYPE_CHECKING:
+    from .base import KroneckerOptimizer
+
+KIND_KEY = "optimizer"  # state_dict()[KIND_KEY]: the optimizer class name
+
+# state of a parameter besides a layer's factors: key -> shaped like the parameter?
+LAYER_BUFFERS = {"momentum_buffer": True, "exp_avg": True}
+NORM_STATE = {"momentum_buffer": True, "fisher_diag": True}
+FALLBACK_STATE = {"step": False, "exp_avg": True, "exp_avg_sq": True}
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint does not fit this optimizer (a ValueError)."""
+
+
+def check_fits(optimizer: KroneckerOptimizer, state_dict: dict[str, Any]) -> None:
+    """Raise :class:`CheckpointMismatchError` (a ValueError) unless ``state_dict`` fits."""
+    name = type(optimizer).__name__
+    fix = f"load a checkpoint saved by the same {name} configuration and model"
+    kind = state_dict.get(KIND_KEY)
+    if kind is not None and kind != name:
+        raise CheckpointMismatchError(f"the checkpoint was saved by {kind}, this is {name}; {fix}")
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise CheckpointMismatchError(
+            f"the checkpoint has {len(saved_groups)} parameter group(s), this {name} has "
+            f"{len(optimizer.param_groups)}; {fix}"
+        )
+    for index, (saved, group) in enumerate(zip(saved_groups, optimizer.param_groups, strict=True)):
+        _check_group(index, saved, group, optimizer, fix)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    names = {id(p): n for n, p in optimizer.model.named_parameters()}
+    expected = _expected_states(optimizer)
+    for index, state in state_dict["state"].items():
+        if not isinstance(index, int) or not 0 <= index < len(params):
+            raise CheckpointMismatchError(
+                f"the checkpoint has state for parameter {index!r}, this {name} has "
+                f"{len(params)} parameters; {fix}"
+            )
+        param = params[index]
+        where = f"parameter {index} ('{names.get(id(param), '?')}', shape {tuple(param.shape)})"
+        required, optional = expected[id(param)]
+        _check_state(where, state, param, required, optional, fix)
+
+
+def _check_group(index: int, saved: dict, group: dict, optimizer, fix: str) -> None:
+    where = f"param_groups[{index}]"
+    if len(saved["params"]) != len(group["params"]):
+        raise CheckpointMismatchError(
+            f"{where} has {len(saved['params'])} parameters in the checkpoint and "
+            f"{len(group['params'])} here; {fix}"
+        )
+    missing = sorted(set(optimizer.defaults) - set(saved))
+    if missing:
+        raise CheckpointMismatchError(
+            f"{where} of the checkpoint lacks {missing}: it was saved by another optimizer "
+            f"than {type(optimizer).__name__}; {fix}"
+        )
+    trial = {**saved, "params": group["params"]}
+    try:
+        validate(trial, optimizer.hyperparameter_checks(trial))
+    except ValueError as error:
+        raise CheckpointMismatchError(f"{where} of the checkpoint: {error}") from None
+    if "structures" in group and tuple(trial["structures"]) != tuple(group["structures"]):
+        raise CheckpointMismatchError(
+            f"{where} uses structures {tuple(trial['structures'])} in the checkpoint and "
+            f"{tuple(group['structures'])} here; construct the optimizer with "
+            f"structures={tuple(trial['structures'])} to load it"
+        )
+
+
+def _expected_states(optimizer: KroneckerOptimizer) -> dict[int, tuple[dict, dict]]:
+    """id(param) -> (required entries: the factors; optional entries: key -> shaped like
+    the parameter?), by the parameter's role."""
+    expected: dict[int, tuple[dict, dict]] = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            expected[id(param)] = ({}, FALLBACK_STATE)
+    for layer in optimizer.layers:
+        group = optimizer.group_of(layer)
+        expected[id(layer.weight)] = (factor_keys(optimizer, layer, group), LAYER_BUFFERS)
+        if layer.bias is not None:
+            expected[id(layer.bias)] = ({}, LAYER_BUFFERS)
+    for layer in optimizer._norm_layers:
+        for param in layer.params:
+            expected[id(param)] = ({}, NORM_STATE)
+    return expected
+
+
+def _check_state(where, state, param: nn.Parameter, required, optional, fix: str) -> None:
+    if not isinstance(state, dict):
+        raise CheckpointMismatchError(f"the state of {where} is not a dict; {fix}")
+    if not state:
+        return
+    unknown = sorted(set(state) - set(required) - set(optional))
+    missing = sorted(set(required) - set(state))
+    if unknown or missing:
+        raise CheckpointMismatchError(
+            f"the state of {where} has the keys {sorted(state)}, this optimizer expects "
+            f"{sorted(required) or ''}{' and ' if required else ''}any of {sorted(optional)}"
+            f" (unexpected: {unknown}, missing: {missing}); {fix}"
+        )
+    for key, value in state.items():
+        if key in required:
+            _check_like(f"{where}, state '{key}'", value, required[key], fix)
+        elif optional[key] and isinstance(value, Tensor) and value.shape != param.shape:
+            raise CheckpointMismatchError(
+                f"{where}: state '{key}' has shape {tuple(value.shape)} in the checkpoint, "
+                f"the parameter {tuple(param.shape)}; {fix}"
+            )
+
+
+def _check_like(where: str, value: Any, expected: Any, fix: str) -> None:
+    """``value`` has the layout of ``expected`` (a meta tensor, a dict of them, a number)."""
+    if isinstance(expected, dict):
+        if not isinstance(value, dict) or set(value) != set(expected):
+            found = sorted(value) if isinstance(value, dict) else type(value).__name__
+            raise CheckpointMismatchError(
+                f"{where} holds {found} in the checkpoint, this optimizer's structure "
+                f"stores {sorted(expected)}; {fix}"
+            )
+        for key in expected:
+            _check_like(f"{where}['{key}']", value[key], expected[key], fix)
+    elif isinstance(expected, Tensor):
+        if not isinstance(value, Tensor) or value.shape != expected.shape:
+            found = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+            raise CheckpointMismatchError(
+                f"{where} has shape {found} in the checkpoint, {tuple(expected.shape)} here; {fix}"
+            )
+    elif isinstance(value, Tensor | dict):
+        raise CheckpointMismatchError(
+            f"{where} is a {type(value).__name__}, expected a number; {fix}"
+        )
