@@ -1,7 +1,8 @@
 // CUDA kernels of the list ops (update epilogues, diagonal preconditioned step, diagonal
 // factor update). Tensors are grouped by dtype combination; each group runs as one
-// multi-tensor launch (per kMax tensors) with 16-byte vector access where aligned and a
-// scalar tail. found_inf and inv_scale are read on the device. Element math: singd_math.h.
+// multi-tensor launch (per kMax tensors) with 16-byte vector access; only the unaligned head
+// and the tail of each chunk take scalar access. found_inf and inv_scale are read on the
+// device. Element math: singd_math.h.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -55,7 +56,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t begin = (blockIdx.x - en.block_begin) * kChunk;
   const int64_t end = min(begin + kChunk, en.numel);
   const uint32_t key = stream_key(seed, en.stream);
-  for_chunk<vec_width<P>()>(en.vec, begin, end, [&](auto width, int64_t i) {
+  for_chunk<vec_width<P>()>(en.vec, en.head, begin, end, [&](auto width, int64_t i) {
     constexpr int W = decltype(width)::value;
     T pv[W], gv[W], sv[W];
     load<W>(p, i, pv);
@@ -76,13 +77,46 @@ __global__ void __launch_bounds__(kThreads)
   });
 }
 
+// Elements [i, i + W) of the diagonal path, starting at row r, column c: row and column
+// scales advance with the column, so no index is divided here.
+template <bool kAdaFisher, bool kState, int W, typename P, typename G, typename S, typename T>
+__device__ __forceinline__ void diag_elements(P* p, const G* g, S* s, const T* rows,
+                                              const T* cols, int64_t ncols, int64_t i, int64_t r,
+                                              int64_t c, const Epilogue<T>& e, bool stochastic,
+                                              uint32_t key) {
+  T pv[W], gv[W], sv[W];
+  load<W>(p, i, pv);
+  load<W>(g, i, gv);
+  if constexpr (kState) load<W>(s, i, sv);
+  T row = rows[r];
+#pragma unroll
+  for (int v = 0; v < W; ++v) {
+    const T col = cols[c];
+    T st = kState ? sv[v] : T(0);
+    if constexpr (kAdaFisher) {
+      pv[v] = adafisher_element(pv[v], gv[v], st, row, col, e);
+    } else {
+      pv[v] = singd_diag_element<kState>(pv[v], gv[v], st, row, col, e);
+    }
+    sv[v] = st;
+    if (v + 1 < W && ++c == ncols) {  // element i + v + 1 exists: it starts the next row
+      c = 0;
+      row = rows[++r];
+    }
+  }
+  if constexpr (kState) store<W>(s, i, sv);
+  store_param<W>(p, i, pv, stochastic, key);
+}
+
 // Diagonal path over a (rows, cols) parameter. ptr = {param P, grad G, state S,
-// row scales T, col scales T}.
+// row scales T, col scales T}. Each thread divides its first vector index by the row
+// length once and then advances (row, column) by its fixed stride.
 template <bool kAdaFisher, bool kState, typename P, typename G, typename S>
 __global__ void __launch_bounds__(kThreads)
     diag_kernel(Batch<5> batch, Epilogue<at::opmath_type<P>> e, DevScalar inv_scale,
                 DevScalar found_inf, bool stochastic, int64_t seed) {
   using T = at::opmath_type<P>;
+  constexpr int V = vec_width<P>();
   if (skip_step(found_inf)) return;
   if (inv_scale.ptr != nullptr) e.inv_scale = load_scalar<T>(inv_scale);
   const Entry<5> en = batch.entry[find_entry(batch)];
@@ -91,34 +125,37 @@ __global__ void __launch_bounds__(kThreads)
   S* s = static_cast<S*>(en.ptr[2]);
   const T* rows = static_cast<const T*>(en.ptr[3]);
   const T* cols = static_cast<const T*>(en.ptr[4]);
+  const int64_t ncols = en.cols;
   const int64_t begin = (blockIdx.x - en.block_begin) * kChunk;
   const int64_t end = min(begin + kChunk, en.numel);
   const uint32_t key = stream_key(seed, en.stream);
-  for_chunk<vec_width<P>()>(en.vec, begin, end, [&](auto width, int64_t i) {
-    constexpr int W = decltype(width)::value;
-    T pv[W], gv[W], sv[W];
-    load<W>(p, i, pv);
-    load<W>(g, i, gv);
-    if constexpr (kState) load<W>(s, i, sv);
-    int64_t r = i / en.cols;
-    int64_t c = i - r * en.cols;
-#pragma unroll
-    for (int v = 0; v < W; ++v) {
-      T st = kState ? sv[v] : T(0);
-      if constexpr (kAdaFisher) {
-        pv[v] = adafisher_element(pv[v], gv[v], st, rows[r], cols[c], e);
-      } else {
-        pv[v] = singd_diag_element<kState>(pv[v], gv[v], st, rows[r], cols[c], e);
-      }
-      sv[v] = st;
-      if (++c == en.cols) {
-        c = 0;
+  const ChunkSplit split = split_chunk<V>(en.vec, en.head, begin, end);
+  // scalar head and tail: at most 2 * (V - 1) elements per chunk
+  const auto scalar = [&](int64_t i) {
+    const int64_t r = i / ncols;
+    diag_elements<kAdaFisher, kState, 1>(p, g, s, rows, cols, ncols, i, r, i - r * ncols, e,
+                                         stochastic, key);
+  };
+  for (int64_t i = begin + threadIdx.x; i < split.vec_begin; i += kThreads) scalar(i);
+  int64_t i = split.vec_begin + static_cast<int64_t>(threadIdx.x) * V;
+  if (i < split.vec_end) {
+    constexpr int64_t kStride = static_cast<int64_t>(kThreads) * V;
+    const int64_t step_r = kStride / ncols;
+    const int64_t step_c = kStride - step_r * ncols;
+    int64_t r = i / ncols;
+    int64_t c = i - r * ncols;
+    for (; i < split.vec_end; i += kStride) {
+      diag_elements<kAdaFisher, kState, V>(p, g, s, rows, cols, ncols, i, r, c, e, stochastic,
+                                           key);
+      r += step_r;
+      c += step_c;
+      if (c >= ncols) {
+        c -= ncols;
         ++r;
       }
     }
-    if constexpr (kState) store<W>(s, i, sv);
-    store_param<W>(p, i, pv, stochastic, key);
-  });
+  }
+  for (int64_t j = split.vec_end + threadIdx.x; j < end; j += kThreads) scalar(j);
 }
 
 // Diagonal factor update. ptr = {k K, m M, h H}; scalar = {a, b} (absent: 1).
@@ -136,7 +173,7 @@ __global__ void __launch_bounds__(kThreads)
   const T lam_b = damping * b;
   const int64_t begin = (blockIdx.x - en.block_begin) * kChunk;
   const int64_t end = min(begin + kChunk, en.numel);
-  for_chunk<vec_width<K>()>(en.vec, begin, end, [&](auto width, int64_t i) {
+  for_chunk<vec_width<K>()>(en.vec, en.head, begin, end, [&](auto width, int64_t i) {
     constexpr int W = decltype(width)::value;
     T kv[W], mv[W], hv[W];
     load<W>(k, i, kv);
@@ -151,24 +188,23 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- host side ------------------------------------------------------------------------------
 
-// Entry of tensor `stream`: pointers with the bytes of one vector of their elements (0 for
-// pointers not accessed by vector; null pointers are not accessed); vector access when every
-// vector-accessed pointer is aligned to its vector.
+// Entry of tensor `stream`: `elem_bytes` is the element size of each pointer accessed by
+// vector of `width` elements (0 for the others; null pointers are not accessed).
 template <int NPTR>
 Entry<NPTR> make_entry(const std::array<void*, NPTR>& ptrs,
-                       const std::array<int64_t, NPTR>& vec_bytes, int64_t numel, int64_t cols,
-                       size_t stream) {
+                       const std::array<int64_t, NPTR>& elem_bytes, int width, int64_t numel,
+                       int64_t cols, size_t stream) {
   Entry<NPTR> e{};
-  e.vec = true;
-  for (int j = 0; j < NPTR; ++j) {
-    e.ptr[j] = ptrs[j];
-    if (ptrs[j] != nullptr && vec_bytes[j] > 0) e.vec = e.vec && aligned(ptrs[j], vec_bytes[j]);
-  }
+  for (int j = 0; j < NPTR; ++j) e.ptr[j] = ptrs[j];
+  set_vector_access<NPTR>(e, elem_bytes, width);
   e.numel = numel;
   e.cols = cols;
   e.stream = static_cast<int32_t>(stream);
   return e;
 }
+
+// Pointer of a tensor the kernels only read (the Entry holds untyped pointers).
+inline void* read_only(const at::Tensor& t) { return const_cast<void*>(t.const_data_ptr()); }
 
 struct EpilogueCall {
   const char* state_name;
@@ -211,9 +247,9 @@ void run_epilogue(const char* op, const EpilogueCall& c) {
             const at::Tensor& p = params[i].work();
             void* sp = use_state ? state_work[i].data_ptr() : nullptr;
             constexpr int W = vec_width<P>();
-            entries.push_back(make_entry<3>({p.data_ptr(), grads[i].data_ptr(), sp},
-                                            {W * sizeof(P), W * sizeof(G), W * sizeof(S)},
-                                            p.numel(), 1, i));
+            entries.push_back(make_entry<3>({p.data_ptr(), read_only(grads[i]), sp},
+                                            {sizeof(P), sizeof(G), sizeof(S)}, W, p.numel(), 1,
+                                            i));
           }
           const Epilogue<T> e = make_epilogue<T>(c.hyper, 1.0);
           const DevScalar inv = dev_scalar(c.inv_scale);
@@ -321,9 +357,10 @@ void diag_precond_step_cuda(at::TensorList params_in, at::TensorList grads_in,
             const at::Tensor& p = params[i].work();
             void* sp = use_state ? state_work[i].data_ptr() : nullptr;
             constexpr int W = vec_width<P>();
-            entries.push_back(make_entry<5>(
-                {p.data_ptr(), grads[i].data_ptr(), sp, rows_s[i].data_ptr(), cols_s[i].data_ptr()},
-                {W * sizeof(P), W * sizeof(G), W * sizeof(S), 0, 0}, p.numel(), p.size(1), i));
+            entries.push_back(make_entry<5>({p.data_ptr(), read_only(grads[i]), sp,
+                                             read_only(rows_s[i]), read_only(cols_s[i])},
+                                            {sizeof(P), sizeof(G), sizeof(S), 0, 0}, W,
+                                            p.numel(), p.size(1), i));
           }
           const Epilogue<T> e = make_epilogue<T>(h, 1.0);
           const DevScalar inv = dev_scalar(inv_scale);
@@ -377,9 +414,8 @@ void diag_factor_update_cuda(at::TensorList k_in, at::TensorList m_in, at::Tenso
           for (size_t i : idx) {
             const at::Tensor& kt = k[i].work();
             constexpr int W = vec_width<K>();
-            Entry<3> e =
-                make_entry<3>({kt.data_ptr(), m_work[i].data_ptr(), h[i].data_ptr()},
-                              {W * sizeof(K), W * sizeof(M), W * sizeof(H)}, kt.numel(), 1, i);
+            Entry<3> e = make_entry<3>({kt.data_ptr(), m_work[i].data_ptr(), read_only(h[i])},
+                                       {sizeof(K), sizeof(M), sizeof(H)}, W, kt.numel(), 1, i);
             if (!a.empty()) e.scalar[0] = dev_scalar(a[i]);
             if (!b.empty()) e.scalar[1] = dev_scalar(b[i]);
             entries.push_back(e);
