@@ -103,11 +103,13 @@ print("built", flush=True)
 """
 
 HOLD_LOCK = """
-import sys, time
-from singd_cuda.ops import _build
+import fcntl, os, pathlib, time
 
-with _build.build_lock(_build.build_dir("cuda")):
-    (_build.build_dir("cuda") / "lock").write_text("")  # an older cpp_extension's lock file
+directory = pathlib.Path(os.environ["BUILD_DIR"])
+directory.mkdir(parents=True)
+with open(directory / "build.lock", "a") as handle:  # as _build.build_lock takes it
+    fcntl.flock(handle, fcntl.LOCK_EX)
+    (directory / "lock").write_text("")  # an older cpp_extension's lock file
     print("locked", flush=True)
     time.sleep(120)
 """
@@ -185,8 +187,12 @@ def test_concurrent_processes_build_once(tmp_path):
     assert sum("building the fused CUDA ops" in err for _, err in outputs) == 1
 
 
-def test_killed_build_leaves_no_blocking_lock(tmp_path):
-    holder = _python(HOLD_LOCK, tmp_path)
+def test_killed_build_leaves_no_blocking_lock(tmp_path, monkeypatch):
+    monkeypatch.setenv("SINGD_CUDA_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    directory = _build.build_dir("cuda")
+    assert _build.LOCK_NAME == "build.lock"
+    holder = _python(HOLD_LOCK, tmp_path, BUILD_DIR=str(directory))
     try:
         assert holder.stdout.readline().strip() == "locked"
     finally:
@@ -197,3 +203,5 @@ def test_killed_build_leaves_no_blocking_lock(tmp_path):
     assert builder.returncode == 0, err
     assert "built" in out
     assert (tmp_path / "count").read_text().split() == ["cuda"]
+    assert (directory / _build.library_path("cuda").name).exists()
+    assert not (directory / "lock").exists()
