@@ -52,7 +52,12 @@ import torch
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = {
     "cpu": ("registration.cpp", "cpu/elementwise.cpp", "cpu/reductions.cpp"),
-    "cuda": ("cuda/elementwise.cu", "cuda/reductions.cu"),
+    "cuda": (
+        "cuda/diag_step.cu",
+        "cuda/reductions.cu",
+        "cuda/epilogue.cu",
+        "cuda/factor_update.cu",
+    ),
 }
 SOURCE_SUFFIXES = (".h", ".cuh", ".cpp", ".cu")
 CFLAGS = ("-O3", "-fno-trapping-math", "-ffp-contract=off", "-fopenmp")
