@@ -8,7 +8,9 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 
+#include <array>
 #include <cstdint>
+#include <mutex>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -70,7 +72,8 @@ struct Entry {
   int64_t block_begin;  // first block of this entry in its launch
   DevScalar scalar[2];  // per-tensor scalars (factor update a, b), else unused
   int32_t stream;       // position in the op's list (random-bit key)
-  bool vec;             // every pointer aligned for vector access
+  int32_t head;         // elements before the first vector-aligned one (0 .. width - 1)
+  bool vec;             // vector access after the head (the pointers share one misalignment)
 };
 
 template <int NPTR>
@@ -119,6 +122,32 @@ inline bool aligned(const void* p, int64_t bytes) {
   return reinterpret_cast<uintptr_t>(p) % static_cast<uintptr_t>(bytes) == 0;
 }
 
+// Vector access of `width` elements for the pointers with a nonzero element size in
+// `elem_bytes` (null pointers are not accessed): every such pointer must sit at the same
+// element offset modulo `width` from a vector boundary. Sets e.vec and e.head, the number
+// of leading elements that take scalar access before the first whole vector.
+template <int NPTR>
+void set_vector_access(Entry<NPTR>& e, const std::array<int64_t, NPTR>& elem_bytes, int width) {
+  int64_t residue = -1;
+  e.vec = true;
+  for (int j = 0; j < NPTR; ++j) {
+    if (e.ptr[j] == nullptr || elem_bytes[j] == 0) continue;
+    const auto address = reinterpret_cast<uintptr_t>(e.ptr[j]);
+    const auto bytes = static_cast<uintptr_t>(elem_bytes[j]);
+    if (address % bytes != 0) {
+      e.vec = false;
+      break;
+    }
+    const auto r = static_cast<int64_t>((address / bytes) % static_cast<uintptr_t>(width));
+    if (residue >= 0 && r != residue) {
+      e.vec = false;
+      break;
+    }
+    residue = r;
+  }
+  e.head = e.vec && residue > 0 ? static_cast<int32_t>(width - residue) : 0;
+}
+
 // ---- vector access ------------------------------------------------------------------------
 
 template <typename T, int V>
@@ -151,18 +180,36 @@ __device__ __forceinline__ void store_param(P* p, int64_t i, const A (&in)[V], b
   *reinterpret_cast<Pack<P, V>*>(p + i) = pk;
 }
 
+// Split of a block's chunk [begin, end) of an entry: scalar head [begin, vec_begin), whole
+// vectors [vec_begin, vec_end), scalar tail [vec_end, end). Chunks start at multiples of
+// kChunk (a multiple of V), so the entry's head offset puts vec_begin on a vector boundary.
+struct ChunkSplit {
+  int64_t vec_begin;
+  int64_t vec_end;
+};
+
+template <int V>
+__device__ __forceinline__ ChunkSplit split_chunk(bool vec, int64_t head, int64_t begin,
+                                                  int64_t end) {
+  if (!vec) return {end, end};
+  const int64_t vb = min(begin + head, end);
+  return {vb, vb + (end - vb) / V * V};
+}
+
 // f(std::integral_constant<int, W>, i) for the elements [i, i + W) of [begin, end) this
-// thread owns: W = V on the vector path (when `vec`), W = 1 for the tail and otherwise.
+// thread owns: W = V for the aligned whole vectors (when `vec`), W = 1 for the head, the
+// tail and everything when not `vec`.
 template <int V, typename F>
-__device__ __forceinline__ void for_chunk(bool vec, int64_t begin, int64_t end, const F& f) {
-  int64_t tail = begin;
-  if (vec) {
-    tail = begin + (end - begin) / V * V;
-    for (int64_t i = begin + threadIdx.x * V; i < tail; i += blockDim.x * V) {
-      f(std::integral_constant<int, V>{}, i);
-    }
+__device__ __forceinline__ void for_chunk(bool vec, int64_t head, int64_t begin, int64_t end,
+                                          const F& f) {
+  const ChunkSplit s = split_chunk<V>(vec, head, begin, end);
+  for (int64_t i = begin + threadIdx.x; i < s.vec_begin; i += blockDim.x) {
+    f(std::integral_constant<int, 1>{}, i);
   }
-  for (int64_t i = tail + threadIdx.x; i < end; i += blockDim.x) {
+  for (int64_t i = s.vec_begin + threadIdx.x * V; i < s.vec_end; i += blockDim.x * V) {
+    f(std::integral_constant<int, V>{}, i);
+  }
+  for (int64_t i = s.vec_end + threadIdx.x; i < end; i += blockDim.x) {
     f(std::integral_constant<int, 1>{}, i);
   }
 }
@@ -190,12 +237,19 @@ __device__ __forceinline__ T block_sum(T v) {
   return v;
 }
 
-// Multiprocessors of the current device (sizes the grids of the reductions).
+// Multiprocessors of the current device (sizes the grids of the reductions), queried once
+// per device.
 inline int64_t sm_count() {
-  int count = 0;
-  C10_CUDA_CHECK(
-      cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, c10::cuda::current_device()));
-  return count;
+  static std::mutex mutex;
+  static std::vector<int> counts;  // 0: not queried yet
+  const int device = c10::cuda::current_device();
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (counts.size() <= static_cast<size_t>(device)) counts.resize(device + 1, 0);
+  if (counts[device] == 0) {
+    C10_CUDA_CHECK(
+        cudaDeviceGetAttribute(&counts[device], cudaDevAttrMultiProcessorCount, device));
+  }
+  return counts[device];
 }
 
 inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }

@@ -1,11 +1,13 @@
 // CUDA kernels of the statistics reductions (see csrc/cpu/reductions.cpp for the
-// definitions). Each block writes one partial sum per output into a (splits, d) buffer that
+// definitions). Channels-last 4-D inputs are read in place. Each block writes one partial sum per output into a (splits, d) buffer that
 // is then summed in a fixed order, so results are deterministic (no atomics).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
+
+#include <algorithm>
 
 #include "../op_checks.h"
 #include "device_utils.cuh"
@@ -17,11 +19,13 @@ constexpr int kColsX = 32;  // threads across columns in the column kernel
 constexpr int kRowsY = 8;   // threads across rows in the column kernel
 
 // x (rows, d) row-major; thread (tx, ty) of block (bx, by) sums V consecutive columns over
-// rows by*kRowsY + ty + k*kRowsY*gridDim.y; partial[by, c] = block total of column c.
+// rows by*kRowsY + ty + k*kRowsY*gridDim.y; partial[by, c] = block total of column c. The
+// shared totals are laid out [y][j][tx] so that a warp's 32 threads write 32 consecutive
+// words for every j (no bank conflicts whatever V is).
 template <int V, typename S, typename T>
 __global__ void __launch_bounds__(kColsX* kRowsY)
     column_kernel(const S* x, int64_t rows, int64_t d, T* partial) {
-  __shared__ T totals[kRowsY][kColsX * V];
+  __shared__ T totals[kRowsY][V][kColsX];
   const int64_t c0 = (static_cast<int64_t>(blockIdx.x) * kColsX + threadIdx.x) * V;
   T acc[V] = {};
   if (c0 < d) {
@@ -39,14 +43,14 @@ __global__ void __launch_bounds__(kColsX* kRowsY)
     }
   }
 #pragma unroll
-  for (int j = 0; j < V; ++j) totals[threadIdx.y][threadIdx.x * V + j] = acc[j];
+  for (int j = 0; j < V; ++j) totals[threadIdx.y][j][threadIdx.x] = acc[j];
   __syncthreads();
   if (threadIdx.y == 0) {
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       T t = T(0);
 #pragma unroll
-      for (int y = 0; y < kRowsY; ++y) t += totals[y][threadIdx.x * V + j];
+      for (int y = 0; y < kRowsY; ++y) t += totals[y][j][threadIdx.x];
       if (c0 + j < d) partial[blockIdx.y * d + c0 + j] = t;
     }
   }
@@ -72,9 +76,38 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) partial[blockIdx.y * d + c] = acc;
 }
 
+// channel_kernel for small slices (2 * inner <= kThreads, e.g. 7 x 7 maps): block (c, by)
+// works on kThreads / inner slices at once, thread t on element t % inner of slice
+// by * slices + t / inner (then every gridDim.y * slices further); partial[by, c].
+template <typename S, typename T>
+__global__ void __launch_bounds__(kThreads)
+    small_channel_kernel(const S* x, int64_t outer, int64_t d, int inner, T* partial) {
+  const int64_t c = blockIdx.x;
+  const int slices = kThreads / inner;
+  const int slice = static_cast<int>(threadIdx.x) / inner;
+  const int lane = static_cast<int>(threadIdx.x) - slice * inner;
+  T acc = T(0);
+  if (slice < slices) {
+    for (int64_t o = static_cast<int64_t>(blockIdx.y) * slices + slice; o < outer;
+         o += static_cast<int64_t>(gridDim.y) * slices) {
+      const T v = static_cast<T>(x[(o * d + c) * inner + lane]);
+      acc += v * v;
+    }
+  }
+  acc = block_sum(acc);
+  if (threadIdx.x == 0) partial[blockIdx.y * d + c] = acc;
+}
+
 // Sum of a (splits, n) partial buffer over its splits.
 at::Tensor total(const at::Tensor& partial) {
   return partial.size(0) == 1 ? partial[0] : partial.sum(0);
+}
+
+// A 4-D channels-last tensor reduced over every dimension but the channels is a (B*H*W, C)
+// row-major matrix: its column sums need no contiguous copy.
+bool channels_last_columns(const at::Tensor& x, int64_t dim) {
+  return x.dim() == 4 && at::maybe_wrap_dim(dim, x.dim()) == 1 && !x.is_contiguous() &&
+         x.is_contiguous(at::MemoryFormat::ChannelsLast);
 }
 
 at::Tensor col_sum_squares_cuda(const at::Tensor& x_in, int64_t dim) {
@@ -84,7 +117,8 @@ at::Tensor col_sum_squares_cuda(const at::Tensor& x_in, int64_t dim) {
   if (x_in.numel() == 0) return at::zeros({l.d}, x_in.options().dtype(acc_type));
   const c10::cuda::CUDAGuard guard(x_in.device());
   const cudaStream_t stream = current_stream();
-  const at::Tensor x = x_in.contiguous();
+  const bool channels_last = channels_last_columns(x_in, dim);
+  const at::Tensor x = channels_last ? x_in : x_in.contiguous();
   const int64_t target_blocks = 4 * sm_count();
   at::Tensor out;
   AT_DISPATCH_FLOATING_TYPES_AND2(
@@ -93,23 +127,36 @@ at::Tensor col_sum_squares_cuda(const at::Tensor& x_in, int64_t dim) {
         using T = at::opmath_type<S>;
         constexpr int V = static_cast<int>(16 / sizeof(S));
         const S* xp = x.const_data_ptr<S>();
-        if (l.inner == 1) {
+        if (channels_last || l.inner == 1) {
+          const int64_t rows = x.numel() / l.d;
           const bool vec = l.d % V == 0 && aligned(xp, V * sizeof(S));
           const int width = vec ? V : 1;
           const int64_t gx = ceil_div(l.d, kColsX * width);
           const int64_t gy =
               std::clamp<int64_t>(ceil_div(target_blocks, gx), 1,
-                                  std::min<int64_t>(ceil_div(l.outer, 4 * kRowsY), 65535));
+                                  std::min<int64_t>(ceil_div(rows, 4 * kRowsY), 65535));
           at::Tensor partial = at::empty({gy, l.d}, x.options().dtype(acc_type));
           const dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(gy));
           const dim3 block(kColsX, kRowsY);
           if (vec) {
             column_kernel<V, S, T>
-                <<<grid, block, 0, stream>>>(xp, l.outer, l.d, partial.data_ptr<T>());
+                <<<grid, block, 0, stream>>>(xp, rows, l.d, partial.data_ptr<T>());
           } else {
             column_kernel<1, S, T>
-                <<<grid, block, 0, stream>>>(xp, l.outer, l.d, partial.data_ptr<T>());
+                <<<grid, block, 0, stream>>>(xp, rows, l.d, partial.data_ptr<T>());
           }
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+          out = total(partial);
+        } else if (2 * l.inner <= kThreads) {
+          const int inner = static_cast<int>(l.inner);
+          const int64_t slices = kThreads / inner;
+          const int64_t gy =
+              std::clamp<int64_t>(ceil_div(target_blocks, l.d), 1,
+                                  std::min<int64_t>(ceil_div(l.outer, slices), 65535));
+          at::Tensor partial = at::empty({gy, l.d}, x.options().dtype(acc_type));
+          const dim3 grid(static_cast<unsigned>(l.d), static_cast<unsigned>(gy));
+          small_channel_kernel<S, T>
+              <<<grid, kThreads, 0, stream>>>(xp, l.outer, l.d, inner, partial.data_ptr<T>());
           C10_CUDA_KERNEL_LAUNCH_CHECK();
           out = total(partial);
         } else {
@@ -133,16 +180,30 @@ at::Tensor col_sum_squares_cuda(const at::Tensor& x_in, int64_t dim) {
 }
 
 // partial[split, c, p] = sum over the split's samples b of (mean_g x[b, g * Cg + c, p])^2,
-// one thread per (c, p) position of the (Cg, H * W) plane.
+// one thread per (c, p) position of the (Cg, H * W) plane. x is contiguous (NCHW) or
+// channels-last (NHWC, read in place); consecutive threads take consecutive addresses of
+// either layout.
 template <typename S, typename T>
 __global__ void __launch_bounds__(kThreads)
-    group_mean_squares_kernel(const S* x, ConvGeometry g, int64_t per_split, T* partial) {
+    group_mean_squares_kernel(const S* x, ConvGeometry g, int64_t per_split, bool channels_last,
+                              T* partial) {
   const int64_t hw = g.H * g.W;
   const int64_t n = g.Cg * hw;
   const int64_t q = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (q >= n) return;
-  const int64_t c = q / hw;
-  const int64_t pos = q - c * hw;
+  int64_t c, pos, stride_c, stride_pos;
+  if (channels_last) {
+    pos = q / g.Cg;
+    c = q - pos * g.Cg;
+    stride_c = 1;
+    stride_pos = g.C;
+  } else {
+    c = q / hw;
+    pos = q - c * hw;
+    stride_c = hw;
+    stride_pos = 1;
+  }
+  const int64_t stride_b = g.C * hw;
   const int64_t b0 = static_cast<int64_t>(blockIdx.y) * per_split;
   const int64_t b1 = min(g.B, b0 + per_split);
   const T inv_groups = T(1) / static_cast<T>(g.groups);
@@ -150,12 +211,12 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t b = b0; b < b1; ++b) {
     T mean = T(0);
     for (int64_t grp = 0; grp < g.groups; ++grp) {
-      mean += static_cast<T>(x[(b * g.C + grp * g.Cg + c) * hw + pos]);
+      mean += static_cast<T>(x[b * stride_b + (grp * g.Cg + c) * stride_c + pos * stride_pos]);
     }
     if (g.groups > 1) mean *= inv_groups;
     acc += mean * mean;
   }
-  partial[blockIdx.y * n + q] = acc;
+  partial[blockIdx.y * n + c * hw + pos] = acc;
 }
 
 // out[t], t = (c * kh + i) * kw + j: sum of sq[c] over the input positions that kernel
@@ -193,7 +254,9 @@ at::Tensor conv2d_patch_sum_squares_cuda(const at::Tensor& x_in, at::IntArrayRef
   if (x_in.numel() == 0) return out;
   const c10::cuda::CUDAGuard guard(x_in.device());
   const cudaStream_t stream = current_stream();
-  const at::Tensor x = x_in.contiguous();
+  const bool channels_last =
+      !x_in.is_contiguous() && x_in.is_contiguous(at::MemoryFormat::ChannelsLast);
+  const at::Tensor x = channels_last ? x_in : x_in.contiguous();
   const int64_t n = g.Cg * g.H * g.W;
   const int64_t blocks = ceil_div(n, kThreads);
   const int64_t splits_wanted =
@@ -207,7 +270,7 @@ at::Tensor conv2d_patch_sum_squares_cuda(const at::Tensor& x_in, at::IntArrayRef
         at::Tensor partial = at::empty({splits, g.Cg, g.H, g.W}, x.options().dtype(acc_type));
         const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(splits));
         group_mean_squares_kernel<S, T><<<grid, kThreads, 0, stream>>>(
-            x.const_data_ptr<S>(), g, per_split, partial.data_ptr<T>());
+            x.const_data_ptr<S>(), g, per_split, channels_last, partial.data_ptr<T>());
         C10_CUDA_KERNEL_LAUNCH_CHECK();
         const at::Tensor sq = total(partial).contiguous();
         window_sums_kernel<T><<<static_cast<unsigned>(out.numel()), kThreads, 0, stream>>>(

@@ -7,10 +7,25 @@ Two shared libraries are built from ``csrc/`` (shipped inside the package as
 - ``cuda``: the CUDA kernels; needs ``nvcc`` (not a GPU) and is loaded after ``cpu``.
 
 Each is built once into ``<cache>/torch-<version>-py<X.Y>/<kind>-<hash>``, where the hash
-covers the sources the library compiles and the build flags (and, for CUDA, the
-architecture list and ``CUDA_HOME``), so a changed source or flag builds afresh and an
-unchanged one loads from the cache. ``<cache>`` is ``$SINGD_CUDA_CACHE_DIR``, else
-``$XDG_CACHE_HOME/singd_cuda``, else ``~/.cache/singd_cuda``.
+covers the sources the library compiles, the build flags (and, for CUDA, the architecture
+list and ``CUDA_HOME``) and the environment: the torch installation (its directory, build
+and CUDA version), the Python interpreter and the source tree's location. A changed source
+or flag builds afresh, an unchanged one loads from the cache, and two environments (two
+virtualenvs, two checkouts) sharing one cache never rebuild each other's library.
+``<cache>`` is ``$SINGD_CUDA_CACHE_DIR``, else ``$XDG_CACHE_HOME/singd_cuda``, else
+``~/.cache/singd_cuda``.
+
+Concurrent processes (ranks started together by torchrun) build once: the builder holds an
+exclusive ``flock`` on ``<dir>/build.lock``, which the operating system releases when the
+holder exits or is killed, and the others wait for it and then load its library. A lock
+file left by a killed build therefore blocks nothing. The first build of a library logs
+one line (logger ``singd_cuda.ops``, level WARNING) saying it builds once and how long
+that takes.
+
+The floating-point contract is off on both sides (``-ffp-contract=off``, nvcc
+``--fmad=false``, IEEE division and denormals): every multiply and add of
+``singd_math.h`` rounds once, as in the reference's separate tensor ops, so the fused
+CPU, fused CUDA and reference paths round alike, bit for bit.
 
 When unset, ``CUDA_HOME`` defaults to the first CUDA toolkit found among ``$CUDA_PATH``,
 ``/usr/local/cuda`` and the toolkit of the ``nvcc`` on ``PATH``, and
@@ -21,6 +36,7 @@ there are none); both are set only for the duration of the build.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import importlib
 import logging
@@ -36,12 +52,29 @@ import torch
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = {
     "cpu": ("registration.cpp", "cpu/elementwise.cpp", "cpu/reductions.cpp"),
-    "cuda": ("cuda/elementwise.cu", "cuda/reductions.cu"),
+    "cuda": (
+        "cuda/diag_step.cu",
+        "cuda/reductions.cu",
+        "cuda/epilogue.cu",
+        "cuda/factor_update.cu",
+    ),
 }
 SOURCE_SUFFIXES = (".h", ".cuh", ".cpp", ".cu")
-CFLAGS = ("-O3", "-fno-trapping-math", "-fopenmp")
+CFLAGS = ("-O3", "-fno-trapping-math", "-ffp-contract=off", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
-CUDA_FLAGS = ("-O3",)
+# No FMA contraction, IEEE division, no flush to zero: the element math rounds like the CPU
+# kernels and the reference (the kernels are memory-bound; the extra instructions are free).
+CUDA_FLAGS = (
+    "-O3",
+    "--fmad=false",
+    "--prec-div=true",
+    "--prec-sqrt=true",
+    "--ftz=false",
+    "-Xcompiler=-ffp-contract=off",
+)
+# Rough duration of a first build, for the one log line that announces it.
+BUILD_TIME = {"cpu": "~1 min", "cuda": "a few minutes"}
+LOCK_NAME = "build.lock"
 DEFAULT_ARCH_LIST = "9.0"
 KINDS = tuple(SOURCES)
 OP_NAMES = (
@@ -54,6 +87,7 @@ OP_NAMES = (
 )
 
 _loaded: dict[str, bool] = {}
+_log = logging.getLogger("singd_cuda.ops")
 
 
 def fused_enabled() -> bool:
@@ -100,6 +134,11 @@ def _settings(kind: str) -> dict[str, str]:
         "cflags": " ".join(CFLAGS),
         "ldflags": " ".join(LDFLAGS),
         "cxx": os.environ.get("CXX", "c++"),
+        # the environment: another torch install or source tree builds its own library
+        "torch_dir": str(Path(torch.__file__).resolve().parent),
+        "torch_build": f"{torch.version.git_version} cuda={torch.version.cuda}",
+        "python": sys.prefix,
+        "csrc": str(CSRC),
     }
     if kind == "cuda":
         settings.update(
@@ -157,9 +196,36 @@ def _build_environment(kind: str) -> Iterator[object]:
                 os.environ[key] = value
 
 
-def _build_and_load(kind: str, verbose: bool) -> None:
-    directory = build_dir(kind)
+def library_path(kind: str) -> Path:
+    """The shared library ``kind`` builds into (it exists once built)."""
+    return build_dir(kind) / f"singd_cuda_{kind}_ops.so"
+
+
+@contextlib.contextmanager
+def build_lock(directory: Path) -> Iterator[None]:
+    """Exclusive ``flock`` on ``directory/build.lock``, waiting for another holder.
+
+    The operating system releases the lock when its holder exits or is killed, so no
+    stale lock survives a killed build. Holding it, nothing else builds in ``directory``:
+    a ``lock`` file that an older ``cpp_extension`` left from a killed build (its lock is
+    the file's existence) is stale and removed.
+    """
     directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / LOCK_NAME, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _log.info("singd_cuda: waiting for another process building in %s", directory)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (directory / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _compile(kind: str, directory: Path, verbose: bool) -> None:
+    """Build (ninja: only what is out of date) and load the ``kind`` library."""
     with _build_environment(kind) as cpp_extension:
         cpp_extension.load(
             name=f"singd_cuda_{kind}_ops",
@@ -173,6 +239,19 @@ def _build_and_load(kind: str, verbose: bool) -> None:
             is_python_module=False,
             verbose=verbose,
         )
+
+
+def _build_and_load(kind: str, verbose: bool) -> None:
+    directory = build_dir(kind)
+    with build_lock(directory):
+        if not library_path(kind).exists():
+            _log.warning(
+                "singd_cuda: building the fused %s ops, once, %s (cached in %s)",
+                kind.upper(),
+                BUILD_TIME[kind],
+                directory,
+            )
+        _compile(kind, directory, verbose)
     if kind == "cpu":
         importlib.import_module(f"{__package__}._fake")
 

@@ -10,7 +10,7 @@ from singd_cuda.ops import _build
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 # contiguous; strided (every other column of a wider tensor); offset (storage offset of one
-# element, so the CUDA kernels take their scalar path).
+# element, so the CUDA kernels peel an unaligned head before their vector path).
 LAYOUTS = ["contiguous", "strided", "offset"]
 # Sizes around the vector widths (2, 4, 8 elements), one larger than a CPU span, and empty.
 SHAPES = [(1,), (7,), (3, 5), (0,), (2, 0), (9, 17), (40_000,)]
@@ -71,26 +71,6 @@ def clones(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t.clone() for t in tensors]
 
 
-# torch.testing's default (rtol, atol) per dtype: about one rounding of the stored result.
-TOLERANCE = {
-    torch.float64: (1e-7, 1e-7),
-    torch.float32: (1.3e-6, 1e-5),
-    torch.bfloat16: (1.6e-2, 1e-5),
-    torch.float16: (1e-3, 1e-5),
-}
-
-
-def assert_same(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
-    """Fused vs reference: equal up to one rounding (the CPU kernels match bitwise in
-    practice; CUDA contracts multiply-adds, so a last-bit difference may flip a rounding)."""
-    for a, e in zip(actual, expected, strict=True):
-        assert a.dtype == e.dtype and a.shape == e.shape
-        rtol, atol = TOLERANCE[a.dtype]
-        torch.testing.assert_close(
-            a.cpu().double(), e.cpu().double(), rtol=rtol, atol=atol, equal_nan=True
-        )
-
-
 _SAME_SIZE_INT = {
     torch.float64: torch.int64,
     torch.float32: torch.int32,
@@ -100,6 +80,8 @@ _SAME_SIZE_INT = {
 
 
 def assert_bitwise(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
+    """Fused vs reference: equal bit for bit on every device (no FMA contraction in the
+    kernels, so every multiply and add rounds as the reference's tensor ops do)."""
     for a, e in zip(actual, expected, strict=True):
         assert a.dtype == e.dtype and a.shape == e.shape
         bits = _SAME_SIZE_INT[a.dtype]
