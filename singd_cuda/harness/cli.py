@@ -46,16 +46,18 @@ from .report import (
     text_table,
     write_json,
 )
-from .runner import RunResult, RunSpec
+from .runner import EVALUATIONS, RunResult, RunSpec
 from .stats import RULE
 
-#: The default grid (finishes within a few minutes on a 2-core CPU); ``--full`` runs
-#: every task, optimizer, structure, precision and factor dtype.
+#: The default grid (finishes within a few minutes on a 2-core CPU): the fp32 model with
+#: fp32 and bf16 factors; the low-precision model modes are slow on a CPU (no fast bf16
+#: or fp16 kernels), so they run with ``--precisions`` or ``--full``, which runs every
+#: task, optimizer, structure, precision and factor dtype.
 DEFAULT_GRID = {
     "tasks": ["mnist1d_mlp", "mnist1d_cnn"],
     "optimizers": ["adamw", "kfac", "adafisher", "singd"],
     "structures": ["block_diagonal:32"],
-    "precisions": ["fp32", "bf16-pure"],
+    "precisions": ["fp32"],
     "factors": ["fp32", "bf16"],
     "seeds": [0, 1, 2],
 }
@@ -70,7 +72,7 @@ FULL_GRID = {
 #: Seeds of the tuning sweep: apart from the grid's, so that no reported run is a tuning run.
 TUNE_SEEDS = [100]
 #: Steps per task in the default grid (``--full`` and ``tune`` use DEFAULT_STEPS).
-QUICK_STEPS = {"mnist1d_mlp": 250, "mnist1d_cnn": 250, "lm": 100, "digits": 100}
+QUICK_STEPS = {"mnist1d_mlp": 500, "mnist1d_cnn": 500, "lm": 100, "digits": 100}
 
 
 def say(text: str = "") -> None:
@@ -465,7 +467,7 @@ def report_markdown(meta: dict, table_cells: dict, settings: dict, tasks: list[s
         "",
         f"Command: `{meta['command']}`  ",
         f"Created {meta['created']} on {meta['device']} ({meta['machine']}), torch "
-        f"{meta['torch']}; {meta['runs']} runs in {meta['elapsed_s']:.0f} s with "
+        f"{meta['torch']}; {meta['run_count']} runs in {meta['elapsed_s']:.0f} s with "
         f"{meta['workers']} worker(s).",
         "",
         "## Verdict rule",
@@ -593,9 +595,6 @@ def run_train(argv: list[str]) -> Path:
         tuned_command = command_line("tune", tune_argv)
     specs, settings = build_specs(args, tasks, choices, steps)
     results, elapsed = run_specs(specs, args, out)
-    table_cells = cells(results)
-    for name in tasks:
-        TASKS_DESCRIPTIONS[name] = TASKS[name]().description
     meta = {
         "command": command_line("", argv),
         "created": datetime.now().isoformat(timespec="seconds"),
@@ -604,9 +603,9 @@ def run_train(argv: list[str]) -> Path:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "elapsed_s": elapsed,
-        "runs": len(specs),
+        "run_count": len(specs),
         "workers": min(args.workers or default_workers(args.device), len(specs)),
-        "evaluations": 20,
+        "evaluations": EVALUATIONS,
         "tuned_command": tuned_command,
         "rule": RULE,
         "config": {
@@ -619,6 +618,25 @@ def run_train(argv: list[str]) -> Path:
             "hparams": {f"{t}/{label}": hp for (t, label), (hp, _) in settings.items()},
         },
     }
+    settings_json = {f"{t}/{label}": [hp, source] for (t, label), (hp, source) in settings.items()}
+    meta["settings"] = settings_json
+    write_report(out, meta, results)
+    return out
+
+
+def write_report(out: Path, meta: dict, results: list[RunResult]) -> None:
+    """results.json, report.md and the plots of a finished (or partial) grid, and the
+    tables on the terminal, ending with the report's path."""
+    table_cells = cells(results)
+    tasks = list(dict.fromkeys(r.spec.task for r in results))
+    for name in tasks:
+        TASKS_DESCRIPTIONS[name] = TASKS[name]().description
+    if "settings" not in meta:  # written before the sources were recorded
+        hparams = meta["config"]["hparams"]
+        meta["settings"] = {key: [hp, "as recorded"] for key, hp in hparams.items()}
+    settings = {
+        tuple(key.split("/", 1)): (hp, source) for key, (hp, source) in meta["settings"].items()
+    }
     write_json(out / "results.json", meta, results, table_cells)
     for name in tasks:
         plot_curves(out / f"curves_{name}.png", name, table_cells)
@@ -628,14 +646,86 @@ def run_train(argv: list[str]) -> Path:
     for name in tasks:
         rows = [cell_row(c) for k, c in table_cells.items() if k[0] == name]
         say()
-        say(f"{name}: {TASKS_DESCRIPTIONS[name]}, {steps[name]} steps")
+        say(f"{name}: {TASKS_DESCRIPTIONS[name]}, {meta['config']['steps'][name]} steps")
         say(text_table(HEADERS, rows))
     say()
     say(
-        f"Finished {len(specs)} runs in {elapsed:.0f} s. Report: {out / 'report.md'} "
+        f"{len(results)} runs in {meta['elapsed_s']:.0f} s. Report: {out / 'report.md'} "
         "(results.json, runs.jsonl, curves_*.png, time_to_target.png, memory.png)"
     )
+
+
+def report_parser() -> argparse.ArgumentParser:
+    """The parser of ``singd-harness report``."""
+    p = argparse.ArgumentParser(
+        prog="singd-harness report",
+        description="Rebuild report.md, results.json and the plots of an output folder from "
+        "its runs (results.json, or runs.jsonl of an interrupted grid).",
+    )
+    p.add_argument("folder", type=Path, help="the output folder of a grid")
+    return p
+
+
+def run_report(argv: list[str]) -> Path:
+    """Rebuild the report of a grid's output folder (also of a partial, interrupted one)."""
+    out = report_parser().parse_args(argv).folder
+    done = out / "results.json"
+    if done.exists():
+        payload = json.loads(done.read_text())
+        meta = {k: v for k, v in payload.items() if k not in ("schema", "cells", "runs")}
+        records = payload["runs"]
+        meta.setdefault("run_count", len(records))
+    else:
+        records = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+        meta = partial_meta(records)
+    write_report(out, meta, [result_from_record(r) for r in records])
     return out
+
+
+def partial_meta(records: list[dict]) -> dict:
+    """Metadata for the report of an interrupted grid, from its runs alone."""
+    settings = {f"{r['task']}/{r['label']}": [r["hparams"], "as run"] for r in records}
+    return {
+        "command": "(interrupted grid; report rebuilt from runs.jsonl)",
+        "created": datetime.now().isoformat(timespec="seconds"),
+        "device": "?",
+        "machine": f"{platform.machine()}",
+        "torch": torch.__version__,
+        "elapsed_s": sum(r.get("wall_s", 0.0) for r in records),
+        "run_count": len(records),
+        "workers": "?",
+        "evaluations": EVALUATIONS,
+        "tuned_command": None,
+        "rule": RULE,
+        "settings": settings,
+        "config": {
+            "seeds": sorted({r["seed"] for r in records}),
+            "steps": {r["task"]: r["steps"] for r in records},
+        },
+    }
+
+
+def result_from_record(r: dict) -> RunResult:
+    """The :class:`RunResult` of one JSON run record (:func:`run_record`)."""
+    spec = RunSpec(
+        r["task"],
+        OptimizerChoice(r["optimizer"], r["structure"]),
+        r["precision"],
+        r["factor"],
+        r["seed"],
+        r["steps"],
+        tuple(sorted(r["hparams"].items())),
+    )
+    result = RunResult(spec)
+    for name in ("train_loss", "eval_steps", "eval_loss", "eval_accuracy", "eval_seconds"):
+        setattr(result, name, r[name])
+    result.first_nonfinite_step = r["first_nonfinite_step"]
+    result.error = r["error"]
+    result.state_bytes = r["state_bytes"]
+    result.wall_s = r.get("wall_s", 0.0)
+    steps_run, median = r["steps_run"], r["median_step_ms"]
+    result.step_ms = [median] * steps_run if median is not None else []
+    return result
 
 
 def run_memory(argv: list[str]) -> Path:
@@ -681,6 +771,8 @@ def main(argv: list[str] | None = None) -> int:
         run_memory(argv[1:])
     elif argv[:1] == ["tune"]:
         run_tune(argv[1:])
+    elif argv[:1] == ["report"]:
+        run_report(argv[1:])
     else:
         run_train(argv)
     return 0

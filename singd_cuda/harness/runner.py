@@ -2,11 +2,12 @@
 
 A run evaluates the held-out loss and accuracy before training, at
 :data:`EVALUATIONS` evenly spaced steps and after the last step, and records the
-training wall-clock time (evaluations excluded) up to each evaluation, from which
-time-to-target is read. It stops at the first non-finite training or held-out loss
-(or at an exception from the optimizer, e.g. a failed inverse) and reports where; it
-never raises, so one broken run cannot stop the grid. A run that stays finite but ends
-with a held-out loss above its initial one is reported as diverged.
+training wall-clock time (evaluations excluded) of every step; time to target is the
+step at which the held-out loss first reaches the target times the median step time.
+It stops at the first non-finite training or held-out loss (or at an exception from the
+optimizer, e.g. a failed inverse) and reports where; it never raises, so one broken run
+cannot stop the grid. A run that stays finite but ends with a held-out loss above its
+initial one is reported as diverged.
 """
 
 from __future__ import annotations
@@ -55,8 +56,9 @@ class RunSpec:
 class RunResult:
     """What one run measured. Losses are None where they were not finite.
 
-    ``eval_seconds[i]``: training wall-clock seconds (forward, backward, optimizer step;
-    evaluations excluded) before ``eval_steps[i]``.
+    ``eval_seconds[i]``: cumulative training wall-clock seconds (forward, backward,
+    optimizer step; evaluations excluded) before ``eval_steps[i]``, as measured (kept
+    in the JSON; time to target uses the median step time, see :meth:`reach`).
     """
 
     spec: RunSpec
@@ -111,13 +113,14 @@ class RunResult:
         return statistics.median(self.step_ms) if self.step_ms else None
 
     def reach(self, target: float) -> tuple[int, float] | None:
-        """(step, training seconds) of the first evaluation with held-out loss <=
-        ``target``, or None when no evaluation reaches it."""
-        for step, loss, seconds in zip(
-            self.eval_steps, self.eval_loss, self.eval_seconds, strict=True
-        ):
+        """(step, seconds) of the first evaluation with held-out loss <= ``target``, or
+        None when no evaluation reaches it. Seconds = step x the run's median measured
+        step time: robust to one-off stalls (the first build of the fused ops, a burst
+        of load from other processes) that a cumulative clock would count."""
+        median = self.median_step_ms
+        for step, loss in zip(self.eval_steps, self.eval_loss, strict=True):
             if loss is not None and loss <= target:
-                return step, seconds
+                return step, step * (median or 0.0) / 1e3
         return None
 
 
