@@ -102,7 +102,6 @@ def test_report_is_rebuilt_from_a_partial_grid(tiny_grid, tmp_path, capsys):
     assert str(out / "report.md") in capsys.readouterr().out
 
 
-@pytest.mark.slow  # each spawned worker imports torch and loads the fused ops (~10 s)
 def test_grid_in_worker_processes(tmp_path, capsys):
     """Two worker processes; the character LM as the second task."""
     argv = ["--tasks", "mnist1d_mlp", "lm", "--optimizers", "adamw", "singd", "--structures"]
