@@ -294,7 +294,7 @@ class SINGD(KroneckerOptimizer):
     """Structured inverse-free natural gradient descent.
 
     ``SINGD(model, lr=1e-3, momentum=0.9, damping=1e-3, alpha1=0.5, weight_decay=0.0,
-    T=10, lr_cov=0.1, structures="dense", kfac_like=False, ...)``: see the README.
+    T=10, lr_cov=1e-2, structures="dense", kfac_like=False, ...)``: see the README.
     ``structures`` is a name ("dense", "diagonal", "block_diagonal:32", "low_rank:8",
     "tril_toeplitz", "triu_toeplitz", "hierarchical:15,15"), a (K side, C side) pair,
     structure classes, or "adafisher" (AdaFisher's diagonal rule, DESIGN.md section 4).
@@ -320,7 +320,7 @@ class SINGD(KroneckerOptimizer):
         alpha1: float = 0.5,
         weight_decay: float = 0.0,
         T: int = 10,
-        lr_cov: float = 0.1,
+        lr_cov: float = 1e-2,
         structures: Any = "dense",
         kfac_like: bool = False,
         normalize_lr_cov: bool = False,
