@@ -1,54 +1,83 @@
-"""Command line: ``singd-harness [options]`` trains the grid; ``singd-harness memory``
-compares optimizer-state memory on standard architectures."""
+"""Command line: ``singd-harness [options]`` trains the grid and writes a report;
+``singd-harness tune`` sweeps the learning rates; ``singd-harness memory`` compares
+optimizer-state memory on standard architectures.
+
+Progress is printed as one flushed line per finished run (with an ETA), so it works in a
+pipe and in CI; each finished run is appended to ``runs.jsonl`` in the output folder as
+the grid goes.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import platform
+import shlex
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
 
 import torch
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.text import Text
 
 from .. import structures as structure_registry
-from .data import DEFAULT_STEPS, TASKS
+from . import tune as tuning
+from .data import DEFAULT_STEPS, PAPER_ACCURACY, PAPER_LOGISTIC_ACCURACY, TASKS
 from .memory import MEMORY_MODELS, measure
-from .optimizers import OPTIMIZERS, STRUCTURES, expand
-from .precision import PRECISIONS
+from .optimizers import FIXED_SETTINGS, OPTIMIZERS, STRUCTURES, OptimizerChoice, expand
+from .pool import default_workers, run_grid
+from .precision import FACTOR_DTYPES, NO_FACTORS, PRECISIONS
 from .report import (
-    DEGRADED_RATIO,
+    HEADERS,
     SCHEMA,
+    cell_row,
     cells,
+    markdown_table,
+    memory_rows,
     memory_table,
-    plot_losses,
+    plot_curves,
     plot_memory,
     plot_memory_rows,
+    plot_time_to_target,
+    run_record,
     task_table,
-    verdicts,
+    text_table,
     write_json,
 )
-from .runner import RunSpec, train
+from .runner import EVALUATIONS, RunResult, RunSpec
+from .stats import RULE
+
+#: The default grid (finishes within a few minutes on a 2-core CPU): the fp32 model with
+#: fp32 and bf16 factors; the low-precision model modes are slow on a CPU (no fast bf16
+#: or fp16 kernels), so they run with ``--precisions`` or ``--full``, which runs every
+#: task, optimizer, structure, precision and factor dtype.
+DEFAULT_GRID = {
+    "tasks": ["mnist1d_mlp", "mnist1d_cnn"],
+    "optimizers": ["adamw", "kfac", "adafisher", "singd"],
+    "structures": ["block_diagonal:32"],
+    "precisions": ["fp32"],
+    "factors": ["fp32", "bf16"],
+    "seeds": [0, 1, 2],
+}
+FULL_GRID = {
+    "tasks": ["mnist1d_mlp", "mnist1d_cnn", "lm"],
+    "optimizers": list(OPTIMIZERS),
+    "structures": list(STRUCTURES),
+    "precisions": list(PRECISIONS),
+    "factors": list(FACTOR_DTYPES),
+    "seeds": [0, 1, 2],
+}
+#: Seeds of the tuning sweep: apart from the grid's, so that no reported run is a tuning run.
+TUNE_SEEDS = [100]
+#: Steps per task in the default grid (``--full`` and ``tune`` use DEFAULT_STEPS).
+QUICK_STEPS = {"mnist1d_mlp": 500, "mnist1d_cnn": 500, "lm": 100, "digits": 100}
 
 
-def emit(console: Console, path: Path, renderables: list) -> None:
-    """Print ``renderables`` to the console and, as plain text, to ``path``."""
-    with path.open("w") as file:
-        for target in (console, Console(file=file, width=130)):
-            for item in renderables:
-                target.print(item)
-
-
-def progress_bar(console: Console) -> Progress:
-    """A transient rich progress display: description, bar, done/total, elapsed time."""
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
-    return Progress(*columns, TimeElapsedColumn(), console=console, transient=True)
+def say(text: str = "") -> None:
+    """Print one line and flush, so progress shows in a pipe."""
+    print(text, flush=True)
 
 
 def structure_arg(text: str) -> str:
@@ -108,16 +137,7 @@ def device_arg(text: str) -> torch.device:
 
 
 def add_common(p: argparse.ArgumentParser, folder: str) -> argparse.ArgumentParser:
-    """Add the options both commands share: --structures, --out and --device."""
-    p.add_argument(
-        "--structures",
-        nargs="+",
-        type=structure_arg,
-        default=list(STRUCTURES),
-        metavar="S",
-        help="SINGD structures, optionally with parameters such as block_diagonal:16 "
-        f"(default: {', '.join(STRUCTURES)})",
-    )
+    """Add --out and --device."""
     p.add_argument(
         "--out", type=Path, metavar="DIR", help=f"output folder (default: ./harness_runs/{folder})"
     )
@@ -130,68 +150,122 @@ def add_common(p: argparse.ArgumentParser, folder: str) -> argparse.ArgumentPars
     return p
 
 
-def train_parser() -> argparse.ArgumentParser:
-    """The parser of the training grid (the default command)."""
-    default_lrs = ", ".join(f"{name} {entry.lr:g}" for name, entry in OPTIMIZERS.items())
-    p = argparse.ArgumentParser(
-        prog="singd-harness",
-        description="Train small models over optimizers x structures x precision modes and "
-        "report which stay stable in which precision, and their optimizer-state memory.",
-        epilog="Sub-command: 'singd-harness memory --help' compares optimizer-state memory "
-        "per structure on ResNet-18, ViT-tiny and GPT-tiny.",
+def add_grid(p: argparse.ArgumentParser, tune: bool) -> None:
+    """The options that choose a grid (None = from the default or --full grid)."""
+    p.add_argument(
+        "--full", action="store_true", help="every task, optimizer, structure and precision"
     )
     p.add_argument(
         "--tasks",
         nargs="+",
         choices=list(TASKS),
-        default=list(TASKS),
         metavar="TASK",
-        help=f"tasks to train (default: all of {', '.join(TASKS)})",
+        help=f"of {', '.join(TASKS)} (default: {', '.join(DEFAULT_GRID['tasks'])})",
     )
     p.add_argument(
         "--optimizers",
         nargs="+",
         choices=list(OPTIMIZERS),
-        default=list(OPTIMIZERS),
         metavar="OPT",
-        help=f"optimizers (default: all of {', '.join(OPTIMIZERS)})",
+        help=f"of {', '.join(OPTIMIZERS)} (default: {', '.join(DEFAULT_GRID['optimizers'])})",
     )
     p.add_argument(
-        "--precisions",
+        "--structures",
         nargs="+",
-        choices=list(PRECISIONS),
-        default=list(PRECISIONS),
-        metavar="P",
-        help=f"precision modes (default: all of {', '.join(PRECISIONS)})",
+        type=structure_arg,
+        metavar="S",
+        help="SINGD structures, e.g. block_diagonal:16 (default: "
+        f"{', '.join(DEFAULT_GRID['structures'])}; --full: {', '.join(STRUCTURES)})",
     )
+    if not tune:
+        p.add_argument(
+            "--precisions",
+            nargs="+",
+            choices=list(PRECISIONS),
+            metavar="P",
+            help=f"model precisions, of {', '.join(PRECISIONS)} "
+            f"(default: {', '.join(DEFAULT_GRID['precisions'])})",
+        )
+        p.add_argument(
+            "--factors",
+            nargs="+",
+            choices=list(FACTOR_DTYPES),
+            metavar="F",
+            help="factor precisions of the second-order optimizers, of "
+            f"{', '.join(FACTOR_DTYPES)} (default: both)",
+        )
     p.add_argument(
         "--steps",
         type=positive_int,
         metavar="N",
         help="training steps per run (default: per task, "
-        + ", ".join(f"{name} {steps}" for name, steps in DEFAULT_STEPS.items())
+        + ", ".join(f"{k} {v}" for k, v in QUICK_STEPS.items())
+        + "; --full and tune: "
+        + ", ".join(f"{k} {v}" for k, v in DEFAULT_STEPS.items())
         + ")",
     )
     p.add_argument(
         "--seeds",
         nargs="+",
         type=int,
-        default=[0],
         metavar="SEED",
-        help="seeds; each changes initialisation and batch order (default: 0)",
+        help="seeds; each changes initialisation and batch order "
+        f"(default: {' '.join(map(str, DEFAULT_GRID['seeds'] if not tune else TUNE_SEEDS))})",
     )
+    p.add_argument(
+        "--workers",
+        type=positive_int,
+        metavar="N",
+        help="worker processes, one intra-op thread each (default: one per core "
+        "on the CPU, 1 on CUDA)",
+    )
+
+
+def train_parser() -> argparse.ArgumentParser:
+    """The parser of the training grid (the default command)."""
+    p = argparse.ArgumentParser(
+        prog="singd-harness",
+        description="Train MNIST-1D (the paper's MLP and CNN) and a character LM over "
+        "optimizers x structures x model precision x factor precision x seeds; report "
+        "held-out loss and accuracy (mean ± std), verdicts against fp32, time to AdamW's "
+        "loss, and optimizer-state memory.",
+        epilog="Sub-commands: 'singd-harness tune --help' (learning-rate sweep), "
+        "'singd-harness memory --help' (optimizer-state memory on ResNet-18, ViT-tiny, "
+        "GPT-tiny).",
+    )
+    add_grid(p, tune=False)
     p.add_argument(
         "--lr",
         nargs="+",
         type=lr_arg,
         default=[],
         metavar="LR",
-        help=f"learning rates: NUMBER for all or NAME=NUMBER (defaults: {default_lrs})",
+        help="override the tuned learning rates: NUMBER for all or NAME=NUMBER",
+    )
+    p.add_argument(
+        "--tune",
+        action="store_true",
+        help="re-tune the learning rates (fp32 sweep) before the grid, and use them",
     )
     return add_common(p, "<timestamp>")
 
 
-FACTOR_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+def tune_parser() -> argparse.ArgumentParser:
+    """The parser of ``singd-harness tune``."""
+    p = argparse.ArgumentParser(
+        prog="singd-harness tune",
+        description="Sweep each optimizer's learning rate (and SINGD's/IKFAC's lr_cov) on a "
+        "log grid, fp32, the same number of trials per optimizer; write the chosen values "
+        "and the sweep table.",
+    )
+    add_grid(p, tune=True)
+    p.add_argument(
+        "--record",
+        action="store_true",
+        help="write the chosen values into singd_cuda/harness/tuned.py (the "
+        "values the default run uses), with this command",
+    )
+    return add_common(p, "tune-<timestamp>")
 
 
 def memory_parser() -> argparse.ArgumentParser:
@@ -219,36 +293,463 @@ def memory_parser() -> argparse.ArgumentParser:
         "whose state equals singd:dense)",
     )
     p.add_argument(
+        "--structures",
+        nargs="+",
+        type=structure_arg,
+        default=list(STRUCTURES),
+        metavar="S",
+        help=f"SINGD structures (default: {', '.join(STRUCTURES)})",
+    )
+    p.add_argument(
         "--factor-dtype",
-        choices=list(FACTOR_DTYPES),
+        choices=["float32", "bfloat16", "float16"],
         default="float32",
         help="dtype of the Kronecker factors (default: float32)",
     )
     return add_common(p, "memory-<timestamp>")
 
 
-def run_memory(argv: list[str], console: Console) -> Path:
+def grid_values(args: argparse.Namespace, key: str):
+    """An option's value, else the --full or default grid's."""
+    value = getattr(args, key, None)
+    if value is not None:
+        return value
+    return (FULL_GRID if args.full else DEFAULT_GRID)[key]
+
+
+def steps_for(args: argparse.Namespace, tasks: list[str], quick: bool) -> dict[str, int]:
+    table = QUICK_STEPS if quick and not args.full else DEFAULT_STEPS
+    return {t: args.steps or table[t] for t in tasks}
+
+
+def output_folder(args: argparse.Namespace, prefix: str) -> Path:
+    out = args.out or Path("harness_runs") / datetime.now().strftime(f"{prefix}%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def command_line(name: str, argv: list[str]) -> str:
+    return shlex.join(["python", "-m", "singd_cuda.harness", *([name] if name else []), *argv])
+
+
+class Progress:
+    """One flushed line per finished run: count, run, outcome, elapsed time and an ETA,
+    and the run appended to ``runs.jsonl``. The ETA prices each remaining run at the
+    mean seconds per step measured so far on its task (on all tasks before any of its
+    own finished), divided by the number of workers."""
+
+    def __init__(self, specs: list[RunSpec], out: Path, workers: int) -> None:
+        self.remaining = Counter(s.task for s in specs for _ in range(s.steps))
+        self.per_step: dict[str, list[float]] = {}  # task -> [seconds, steps] finished
+        self.total, self.done, self.workers = len(specs), 0, max(1, workers)
+        self.start = time.perf_counter()
+        self.log = (out / "runs.jsonl").open("a")
+
+    def eta(self) -> float:
+        seconds = sum(v[0] for v in self.per_step.values())
+        steps = sum(v[1] for v in self.per_step.values())
+        overall = seconds / max(steps, 1)
+        total = 0.0
+        for task, left in self.remaining.items():
+            mine = self.per_step.get(task)
+            total += left * (mine[0] / mine[1] if mine else overall)
+        return total / self.workers
+
+    def __call__(self, r: RunResult) -> None:
+        s = r.spec
+        self.done += 1
+        self.remaining[s.task] -= s.steps
+        record = self.per_step.setdefault(s.task, [0.0, 0])
+        record[0] += r.wall_s
+        record[1] += max(len(r.step_ms), 1)
+        elapsed = time.perf_counter() - self.start
+        what = f"{s.task} {s.optimizer.label} {s.precision}/{s.factor} seed {s.seed}"
+        if r.stable:
+            outcome = f"loss {r.final_loss:.4f} acc {100 * r.final_accuracy:.1f}%"
+        else:
+            outcome = r.status + (f" ({r.error})" if r.error else "")
+        say(
+            f"[{self.done:>{len(str(self.total))}}/{self.total}] {what}: {outcome} "
+            f"({r.wall_s:.1f} s) | elapsed {_clock(elapsed)}, ETA {_clock(self.eta())}"
+        )
+        self.log.write(json.dumps(run_record(r)) + "\n")
+        self.log.flush()
+
+    def close(self) -> float:
+        self.log.close()
+        return time.perf_counter() - self.start
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes}:{secs:02d}"
+
+
+def run_specs(specs: list[RunSpec], args, out: Path) -> tuple[list[RunResult], float]:
+    workers = args.workers or default_workers(args.device)
+    say(
+        f"{len(specs)} runs on {args.device} with {min(workers, len(specs))} worker(s), "
+        "one thread each; partial results in " + str(out / "runs.jsonl")
+    )
+    progress = Progress(specs, out, min(workers, len(specs)))
+    results = run_grid(specs, args.device, workers, progress)
+    return results, progress.close()
+
+
+def run_tune(argv: list[str], name: str = "tune") -> tuple[Path, dict]:
+    """Run the sweep ``argv`` describes; returns (output folder, chosen values)."""
+    args = tune_parser().parse_args(argv)
+    tasks = grid_values(args, "tasks")
+    choices = expand(grid_values(args, "optimizers"), grid_values(args, "structures"))
+    seeds = args.seeds or TUNE_SEEDS
+    steps = steps_for(args, tasks, quick=False)
+    out = output_folder(args, "tune-")
+    say(
+        f"singd-harness tune: {len(tasks)} tasks x {len(choices)} optimizers x 6 trials x "
+        f"{len(seeds)} seeds, fp32"
+    )
+    specs = tuning.trial_specs(tasks, choices, steps, seeds)
+    results, elapsed = run_specs(specs, args, out)
+    chosen, rows = tuning.choose(results)
+    meta = {
+        "command": command_line(name, argv),
+        "created": tuning.now(),
+        "elapsed_s": elapsed,
+        "steps": steps,
+        "seeds": seeds,
+    }
+    tuning.write_outputs(out, chosen, rows, meta)
+    say(tuning.sweep_markdown(rows, chosen))
+    if args.record:
+        tuning.record(chosen, meta)
+        say(f"Recorded in {tuning.TUNED_MODULE}")
+    say(f"Tuned in {elapsed:.0f} s. Results: {out / 'sweep.md'} (tuned.json)")
+    return out, chosen
+
+
+def learning_rates(overrides: list[tuple[str | None, float]], name: str, hp: dict) -> dict:
+    """``hp`` with the --lr overrides that apply to optimizer ``name``, in order."""
+    hp = dict(hp)
+    for target, lr in overrides:
+        if target in (None, name):
+            hp["lr"] = lr
+    return hp
+
+
+def build_specs(args, tasks, choices, steps) -> tuple[list[RunSpec], dict]:
+    """The grid's runs and, per (task, label), the hyperparameters and their source."""
+    specs, settings = [], {}
+    precisions, factors = grid_values(args, "precisions"), grid_values(args, "factors")
+    for task in tasks:
+        for choice in choices:
+            hp, source = tuning.hparams_for(task, choice)
+            hp = learning_rates(args.lr, choice.name, hp)
+            if args.lr and any(t in (None, choice.name) for t, _ in args.lr):
+                source = "--lr"
+            settings[(task, choice.label)] = (hp, source)
+            for precision in precisions:
+                if PRECISIONS[precision].stochastic_rounding and not choice.has_factors:
+                    continue  # AdamW has no stochastic rounding
+                for factor in factors if choice.has_factors else [NO_FACTORS]:
+                    for seed in grid_values(args, "seeds"):
+                        hparams = tuple(sorted(hp.items()))
+                        specs.append(
+                            RunSpec(task, choice, precision, factor, seed, steps[task], hparams)
+                        )
+    return specs, settings
+
+
+def report_markdown(meta: dict, table_cells: dict, settings: dict, tasks: list[str]) -> str:
+    """The whole ``report.md``."""
+    seeds = meta["config"]["seeds"]
+    lines = [
+        "# singd-harness report",
+        "",
+        f"Command: `{meta['command']}`  ",
+        f"Created {meta['created']} on {meta['device']} ({meta['machine']}), torch "
+        f"{meta['torch']}; {meta['run_count']} runs in {meta['elapsed_s']:.0f} s with "
+        f"{meta['workers']} worker(s).",
+        "",
+        "## Verdict rule",
+        "",
+        RULE,
+        "",
+        f"Seeds per cell: {len(seeds)} ({', '.join(map(str, seeds))}). Numbers are mean ± "
+        "sample standard deviation over the seeds that stayed finite; 'failed seeds' counts "
+        "the others (non-finite, error, or diverged). Time to target: training seconds "
+        "(evaluations excluded) and steps until the held-out loss first reaches AdamW's "
+        "fp32 final held-out loss (mean over its seeds), checked at every evaluation "
+        f"({meta['evaluations']} per run); median over seeds, 'not reached' when the median "
+        "seed does not reach it, (k/n) when only k seeds do; 'time vs AdamW' divides by "
+        "AdamW's own median time in the same model precision (fp32 where AdamW does not "
+        "run, bf16-pure-sr).",
+        "",
+        "## Settings",
+        "",
+    ]
+    rows = []
+    for (task, label), (hp, source) in settings.items():
+        name = label.split(":", 1)[0]
+        fixed = ", ".join(f"{k}={v}" for k, v in FIXED_SETTINGS[name].items()) or "—"
+        hps = ", ".join(f"{k}={v:g}" for k, v in sorted(hp.items()))
+        rows.append([task, label, hps, source, fixed])
+    lines += [
+        markdown_table(
+            ["task", "optimizer", "tuned", "source", "other non-default settings"], rows
+        ),
+        "",
+        "Everything else is the library default. The second-order optimizers train "
+        "parameters outside Linear/Conv2d (LayerNorm, embeddings) with their built-in AdamW "
+        "at lr 3e-3. Tuned values come from `singd_cuda/harness/tuned.py`"
+        + (f" (`{meta['tuned_command']}`)." if meta.get("tuned_command") else "."),
+        "",
+    ]
+    for task in tasks:
+        lines += [
+            f"## {task}: {TASKS_DESCRIPTIONS.get(task, '')}",
+            "",
+            f"{meta['config']['steps'][task]} steps per run.",
+            "",
+        ]
+        lines += [task_table(task, table_cells), ""]
+        if task in PAPER_ACCURACY:
+            lines += paper_comparison(task, table_cells)
+        lines += [f"![curves](curves_{task}.png)", ""]
+    lines += [
+        "## Time to target",
+        "",
+        "![time to target](time_to_target.png)",
+        "",
+        "## Optimizer-state memory (fp32 model)",
+        "",
+    ]
+    for task in tasks:
+        lines += [
+            f"{task}:",
+            "",
+            markdown_table(
+                ["optimizer", "fp32 factors MiB", "bf16 factors MiB"],
+                memory_rows(task, table_cells),
+            ),
+            "",
+        ]
+    lines += ["![memory](memory.png)", ""]
+    return "\n".join(lines)
+
+
+TASKS_DESCRIPTIONS: dict[str, str] = {}
+
+
+def paper_comparison(task: str, table_cells: dict) -> list[str]:
+    """Test accuracy in fp32 next to the MNIST-1D paper's table."""
+    rows = [
+        ["paper: logistic regression (Adam, 6000 steps)", f"{100 * PAPER_LOGISTIC_ACCURACY:.0f}"],
+        [
+            f"paper: {task.split('_')[1].upper()} (Adam, 6000 steps)",
+            f"{100 * PAPER_ACCURACY[task]:.0f}",
+        ],
+    ]
+    for (t, label, precision, factor), cell in table_cells.items():
+        if t == task and precision == "fp32" and factor in ("fp32", NO_FACTORS):
+            rows.append([f"{label} (here, fp32)", cell_row(cell)[4]])
+    return [
+        "Test accuracy (%) against the MNIST-1D paper (Greydanus & Kobak, arXiv 2011.14439):",
+        "",
+        markdown_table(["model / optimizer", "test accuracy %"], rows),
+        "",
+    ]
+
+
+def run_train(argv: list[str]) -> Path:
+    """Run the grid described by ``argv``; returns the output folder."""
+    args = train_parser().parse_args(argv)
+    tasks = grid_values(args, "tasks")
+    choices = expand(grid_values(args, "optimizers"), grid_values(args, "structures"))
+    steps = steps_for(args, tasks, quick=True)
+    out = output_folder(args, "")
+    say(
+        f"singd-harness: {len(tasks)} tasks x {len(choices)} optimizers x "
+        f"{len(grid_values(args, 'precisions'))} precisions x factors "
+        f"{'/'.join(grid_values(args, 'factors'))} x {len(grid_values(args, 'seeds'))} seeds; "
+        f"output {out}"
+    )
+    tuned_command = tuning.tuned.COMMAND
+    if args.tune:
+        tune_argv = [
+            "--tasks",
+            *tasks,
+            "--optimizers",
+            *grid_values(args, "optimizers"),
+            "--structures",
+            *grid_values(args, "structures"),
+            "--out",
+            str(out / "tune"),
+            "--device",
+            str(args.device),
+        ]
+        tune_argv += ["--steps", str(args.steps)] if args.steps else []
+        tune_argv += ["--workers", str(args.workers)] if args.workers else []
+        _, chosen = run_tune(tune_argv)
+        for task, values in chosen.items():
+            tuning.tuned.TUNED.setdefault(task, {}).update(values)
+        tuned_command = command_line("tune", tune_argv)
+    specs, settings = build_specs(args, tasks, choices, steps)
+    results, elapsed = run_specs(specs, args, out)
+    meta = {
+        "command": command_line("", argv),
+        "created": datetime.now().isoformat(timespec="seconds"),
+        "device": str(args.device),
+        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "elapsed_s": elapsed,
+        "run_count": len(specs),
+        "workers": min(args.workers or default_workers(args.device), len(specs)),
+        "evaluations": EVALUATIONS,
+        "tuned_command": tuned_command,
+        "rule": RULE,
+        "config": {
+            "tasks": tasks,
+            "optimizers": [c.label for c in choices],
+            "precisions": grid_values(args, "precisions"),
+            "factors": grid_values(args, "factors"),
+            "seeds": grid_values(args, "seeds"),
+            "steps": steps,
+            "hparams": {f"{t}/{label}": hp for (t, label), (hp, _) in settings.items()},
+        },
+    }
+    settings_json = {f"{t}/{label}": [hp, source] for (t, label), (hp, source) in settings.items()}
+    meta["settings"] = settings_json
+    write_report(out, meta, results)
+    return out
+
+
+def write_report(out: Path, meta: dict, results: list[RunResult]) -> None:
+    """results.json, report.md and the plots of a finished (or partial) grid, and the
+    tables on the terminal, ending with the report's path."""
+    table_cells = cells(results)
+    tasks = list(dict.fromkeys(r.spec.task for r in results))
+    for name in tasks:
+        TASKS_DESCRIPTIONS[name] = TASKS[name]().description
+    if "settings" not in meta:  # written before the sources were recorded
+        hparams = meta["config"]["hparams"]
+        meta["settings"] = {key: [hp, "as recorded"] for key, hp in hparams.items()}
+    settings = {
+        tuple(key.split("/", 1)): (hp, source) for key, (hp, source) in meta["settings"].items()
+    }
+    write_json(out / "results.json", meta, results, table_cells)
+    for name in tasks:
+        plot_curves(out / f"curves_{name}.png", name, table_cells)
+    plot_time_to_target(out / "time_to_target.png", table_cells)
+    plot_memory(out / "memory.png", table_cells)
+    (out / "report.md").write_text(report_markdown(meta, table_cells, settings, tasks))
+    for name in tasks:
+        rows = [cell_row(c) for k, c in table_cells.items() if k[0] == name]
+        say()
+        say(f"{name}: {TASKS_DESCRIPTIONS[name]}, {meta['config']['steps'][name]} steps")
+        say(text_table(HEADERS, rows))
+    say()
+    say(
+        f"{len(results)} runs in {meta['elapsed_s']:.0f} s. Report: {out / 'report.md'} "
+        "(results.json, runs.jsonl, curves_*.png, time_to_target.png, memory.png)"
+    )
+
+
+def report_parser() -> argparse.ArgumentParser:
+    """The parser of ``singd-harness report``."""
+    p = argparse.ArgumentParser(
+        prog="singd-harness report",
+        description="Rebuild report.md, results.json and the plots of an output folder from "
+        "its runs (results.json, or runs.jsonl of an interrupted grid).",
+    )
+    p.add_argument("folder", type=Path, help="the output folder of a grid")
+    return p
+
+
+def run_report(argv: list[str]) -> Path:
+    """Rebuild the report of a grid's output folder (also of a partial, interrupted one)."""
+    out = report_parser().parse_args(argv).folder
+    done = out / "results.json"
+    if done.exists():
+        payload = json.loads(done.read_text())
+        meta = {k: v for k, v in payload.items() if k not in ("schema", "cells", "runs")}
+        records = payload["runs"]
+        meta.setdefault("run_count", len(records))
+    else:
+        records = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+        meta = partial_meta(records)
+    write_report(out, meta, [result_from_record(r) for r in records])
+    return out
+
+
+def partial_meta(records: list[dict]) -> dict:
+    """Metadata for the report of an interrupted grid, from its runs alone."""
+    settings = {f"{r['task']}/{r['label']}": [r["hparams"], "as run"] for r in records}
+    return {
+        "command": "(interrupted grid; report rebuilt from runs.jsonl)",
+        "created": datetime.now().isoformat(timespec="seconds"),
+        "device": "?",
+        "machine": f"{platform.machine()}",
+        "torch": torch.__version__,
+        "elapsed_s": sum(r.get("wall_s", 0.0) for r in records),
+        "run_count": len(records),
+        "workers": "?",
+        "evaluations": EVALUATIONS,
+        "tuned_command": None,
+        "rule": RULE,
+        "settings": settings,
+        "config": {
+            "seeds": sorted({r["seed"] for r in records}),
+            "steps": {r["task"]: r["steps"] for r in records},
+        },
+    }
+
+
+def result_from_record(r: dict) -> RunResult:
+    """The :class:`RunResult` of one JSON run record (:func:`run_record`)."""
+    spec = RunSpec(
+        r["task"],
+        OptimizerChoice(r["optimizer"], r["structure"]),
+        r["precision"],
+        r["factor"],
+        r["seed"],
+        r["steps"],
+        tuple(sorted(r["hparams"].items())),
+    )
+    result = RunResult(spec)
+    for name in ("train_loss", "eval_steps", "eval_loss", "eval_accuracy", "eval_seconds"):
+        setattr(result, name, r[name])
+    result.first_nonfinite_step = r["first_nonfinite_step"]
+    result.error = r["error"]
+    result.state_bytes = r["state_bytes"]
+    result.wall_s = r.get("wall_s", 0.0)
+    steps_run, median = r["steps_run"], r["median_step_ms"]
+    result.step_ms = [median] * steps_run if median is not None else []
+    return result
+
+
+def run_memory(argv: list[str]) -> Path:
     """Measure optimizer-state memory as ``argv`` says; returns the output folder."""
     args = memory_parser().parse_args(argv)
-    dtype = FACTOR_DTYPES[args.factor_dtype]
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+        args.factor_dtype
+    ]
     choices = expand(args.optimizers, args.structures)
-    out = args.out or Path("harness_runs") / datetime.now().strftime("memory-%Y%m%d-%H%M%S")
-    out.mkdir(parents=True, exist_ok=True)
-    console.print(
-        f"[bold]singd-harness memory[/]: {len(args.models)} models x {len(choices)} "
-        f"optimizers on {args.device}, factors in {args.factor_dtype}"
+    out = output_folder(args, "memory-")
+    say(
+        f"singd-harness memory: {len(args.models)} models x {len(choices)} optimizers on "
+        f"{args.device}, factors in {args.factor_dtype}"
     )
     rows = []
-    progress = progress_bar(console)
-    with progress:
-        bar = progress.add_task("memory", total=len(args.models) * len(choices))
-        for model in args.models:
-            for choice in choices:
-                progress.update(bar, description=f"{model} {choice.label}")
-                rows.append(measure(model, choice, dtype, args.device))
-                progress.advance(bar)
+    for model in args.models:
+        for choice in choices:
+            rows.append(measure(model, choice, dtype, args.device))
+        say(f"  {model} done")
     tables = [memory_table(m, [r for r in rows if r.model == m]) for m in args.models]
-    emit(console, out / "report.txt", tables)
+    (out / "report.txt").write_text("\n\n".join(tables) + "\n")
+    for table in tables:
+        say(table)
+        say()
     payload = {
         "schema": SCHEMA + ":memory",
         "created": datetime.now().isoformat(timespec="seconds"),
@@ -259,98 +760,22 @@ def run_memory(argv: list[str], console: Console) -> Path:
     }
     (out / "memory.json").write_text(json.dumps(payload, indent=1))
     plot_memory_rows(out / "memory.png", rows)
-    console.print(f"Results: [bold]{out}[/] (memory.json, report.txt, memory.png)")
-    return out
-
-
-def learning_rates(overrides: list[tuple[str | None, float]]) -> dict[str, float]:
-    """Optimizer name -> lr: the table's defaults, then the overrides in order."""
-    lrs = {name: entry.lr for name, entry in OPTIMIZERS.items()}
-    for name, lr in overrides:
-        lrs.update({name: lr} if name else dict.fromkeys(lrs, lr))
-    return lrs
-
-
-def run_train(argv: list[str], console: Console) -> Path:
-    """Run the grid described by ``argv``; returns the output folder."""
-    args = train_parser().parse_args(argv)
-    lrs = learning_rates(args.lr)
-    tasks = {name: TASKS[name]() for name in args.tasks}
-    choices = expand(args.optimizers, args.structures)
-    specs = [
-        RunSpec(task, choice, precision, seed, args.steps or DEFAULT_STEPS[task], lrs[choice.name])
-        for task in args.tasks
-        for choice in choices
-        for precision in args.precisions
-        for seed in args.seeds
-    ]
-    out = args.out or Path("harness_runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
-    out.mkdir(parents=True, exist_ok=True)
-    console.print(
-        f"[bold]singd-harness[/]: {len(specs)} runs on {args.device} "
-        f"({len(tasks)} tasks x {len(choices)} optimizers x {len(args.precisions)} precisions "
-        f"x {len(args.seeds)} seeds)"
-    )
-    start = time.perf_counter()
-    progress = progress_bar(console)
-    results = []
-    with progress:
-        grid = progress.add_task("grid", total=len(specs))
-        run = progress.add_task("run")
-        for spec in specs:
-            label = f"{spec.task} {spec.optimizer.label} {spec.precision} seed {spec.seed}"
-            progress.reset(run, total=spec.steps, description=f"  {label}")
-            results.append(
-                train(tasks[spec.task], spec, args.device, lambda _: progress.advance(run))
-            )
-            progress.advance(grid)
-    elapsed = time.perf_counter() - start
-    table_cells = cells(results)
-    lines = verdicts(table_cells)
-    width = max(len(label) for label in lines)
-    emit(
-        console,
-        out / "report.txt",
-        [task_table(name, task.description, table_cells) for name, task in tasks.items()]
-        + [
-            f"[bold]Verdicts[/] (ok / degraded: best loss > {DEGRADED_RATIO}x fp32's / "
-            "failed: non-finite, error or diverged):"
-        ]
-        + [Text.assemble(f"  {label:<{width}}  ", line) for label, line in lines.items()],
-    )
-    meta = {
-        "created": datetime.now().isoformat(timespec="seconds"),
-        "device": str(args.device),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "elapsed_s": elapsed,
-        "config": {
-            "tasks": {name: task.description for name, task in tasks.items()},
-            "optimizers": args.optimizers,
-            "structures": args.structures,
-            "precisions": args.precisions,
-            "seeds": args.seeds,
-            "steps": {name: args.steps or DEFAULT_STEPS[name] for name in tasks},
-            "lr": {name: lrs[name] for name in args.optimizers},
-        },
-    }
-    write_json(out / "results.json", meta, results, table_cells)
-    for name in tasks:
-        plot_losses(out / f"loss_{name}.png", name, results)
-    plot_memory(out / "memory.png", table_cells)
-    console.print(
-        f"Finished {len(specs)} runs in {elapsed:.0f} s. Results: [bold]{out}[/] "
-        "(results.json, report.txt, loss_*.png, memory.png)"
-    )
+    say(f"Results: {out} (memory.json, report.txt, memory.png)")
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m singd_cuda.harness`` and ``singd-harness``."""
     argv = sys.argv[1:] if argv is None else argv
-    console = Console(width=None if sys.stdout.isatty() else 130)
     if argv[:1] == ["memory"]:
-        run_memory(argv[1:], console)
+        run_memory(argv[1:])
+    elif argv[:1] == ["tune"]:
+        run_tune(argv[1:])
+    elif argv[:1] == ["report"]:
+        run_report(argv[1:])
     else:
-        run_train(argv, console)
+        run_train(argv)
     return 0
+
+
+__all__ = ["OptimizerChoice", "main"]

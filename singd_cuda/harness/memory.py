@@ -166,7 +166,7 @@ def measure(
     torch.manual_seed(0)
     model = build().to(device)
     x, y = (t.to(device) for t in batch(torch.Generator().manual_seed(0)))
-    optimizer = choice.build(model, 1e-3, factor_dtype)
+    optimizer = choice.build(model, {"lr": 1e-3}, factor_dtype)
     holder: dict[str, Tensor] = {}
 
     def forward() -> None:

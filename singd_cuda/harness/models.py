@@ -1,5 +1,7 @@
 """The models the harness trains and measures.
 
+* :class:`MNIST1DMLP` and :class:`MNIST1DCNN` - the MLP and CNN of the MNIST-1D paper
+  (Greydanus & Kobak, arXiv 2011.14439; ``MLPBase`` and ``ConvBase`` of its repository).
 * :class:`DigitsCNN` - a small CNN with BatchNorm for the 8x8 digits task.
 * :class:`GPT` - a decoder-only transformer (token and position embeddings, causal
   self-attention, LayerNorm, MLP); the character LM task uses a small config and
@@ -18,6 +20,49 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+
+class MNIST1DMLP(nn.Module):
+    """MNIST-1D's ``MLPBase``: 40 -> 100, a residual 100 -> 100 ReLU layer, -> 10.
+
+    Input (N, 40) float; output (N, 10) logits.
+    """
+
+    def __init__(self, length: int = 40, hidden: int = 100, classes: int = 10) -> None:
+        super().__init__()
+        self.linear1 = nn.Linear(length, hidden)
+        self.linear2 = nn.Linear(hidden, hidden)
+        self.linear3 = nn.Linear(hidden, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.linear1(x).relu()
+        h = h + self.linear2(h).relu()
+        return self.linear3(h)
+
+
+class MNIST1DCNN(nn.Module):
+    """MNIST-1D's ``ConvBase``: three ReLU convolutions (25 channels; kernels 5, 3, 3;
+    stride 2; padding 1), then a linear classifier on the flattened 25 x 5 features.
+
+    The 1-D convolutions are ``nn.Conv2d`` with (1, k) kernels on a (N, 1, 1, 40) view,
+    the same function and parameter count, so the optimizers precondition them.
+    Input (N, 40) float; output (N, 10) logits.
+    """
+
+    def __init__(self, length: int = 40, channels: int = 25, classes: int = 10) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, channels, (1, 5), stride=(1, 2), padding=(0, 1))
+        self.conv2 = nn.Conv2d(channels, channels, (1, 3), stride=(1, 2), padding=(0, 1))
+        self.conv3 = nn.Conv2d(channels, channels, (1, 3), stride=(1, 2), padding=(0, 1))
+        out = length
+        for kernel in (5, 3, 3):
+            out = (out + 2 - kernel) // 2 + 1
+        self.linear = nn.Linear(channels * out, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.view(x.shape[0], 1, 1, x.shape[-1])
+        h = self.conv3(self.conv2(self.conv1(h).relu()).relu()).relu()
+        return self.linear(h.flatten(1))
 
 
 class DigitsCNN(nn.Module):

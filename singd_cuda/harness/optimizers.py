@@ -1,9 +1,12 @@
-"""The optimizer table of the harness: one entry per optimizer, with its learning rate.
+"""The optimizer table of the harness: how each optimizer is built and tuned.
 
 Every entry builds a ``torch.optim.Optimizer`` for the whole model from
-``(model, lr, structure, factor_dtype=, grad_scaler=, loss_average=)``. Weight decay
-is 0 everywhere so the runs compare preconditioners only. ``singd`` expands into one
-run per structure; ``ikfac`` is SINGD with ``kfac_like=True`` and dense factors.
+``(model, structure, hparams, factor_dtype=, stochastic_rounding=, grad_scaler=,
+loss_average=)``. ``hparams`` holds the tuned values (``lr``, and ``lr_cov`` for SINGD
+and IKFAC); everything else is the library default except the few settings in
+:data:`FIXED_SETTINGS`, which the report lists. Weight decay is 0 everywhere so the
+runs compare preconditioners only. ``singd`` expands into one run per structure;
+``ikfac`` is SINGD with ``kfac_like=True`` and dense factors.
 """
 
 from __future__ import annotations
@@ -17,78 +20,112 @@ from torch import nn
 from .. import KFAC, SINGD, AdaFisher
 
 #: Learning rate of the built-in AdamW fallback of KFAC, AdaFisher and SINGD (the
-#: parameters of embeddings, LayerNorm and BatchNorm), the same as AdamW's own.
+#: parameters of embeddings, LayerNorm and BatchNorm).
 FALLBACK_LR = 3e-3
 #: K-FAC's damping: its default 1e-3 (√λ ≈ 0.03 added to each factor) diverges on the
 #: digits task in fp32 at any learning rate that trains.
 KFAC_DAMPING = 1e-2
-#: SINGD settings for runs of a few hundred steps. With the library defaults (T=10,
-#: lr_cov=1e-2) the factors move from the identity by a nearly uniform scale in that
-#: time, so every structure acts like SGD with momentum; updating them every step with a
-#: larger, normalised lr_cov lets them take shape within the run.
-SINGD_SETTINGS = dict(T=1, lr_cov=0.1, normalize_lr_cov=True)
-#: IKFAC has no trace scaling in its factor update and goes non-finite in fp32 on the
-#: digits task with lr_cov=0.05 already, so it gets a smaller one.
-IKFAC_LR_COV = 0.02
+
+#: Settings the harness passes that differ from the library defaults (listed in the report).
+FIXED_SETTINGS: dict[str, dict] = {
+    "adamw": {"weight_decay": 0.0},
+    "kfac": {"damping": KFAC_DAMPING},
+    "adafisher": {},
+    "singd": {},
+    "ikfac": {"structures": "dense", "kfac_like": True},
+}
 
 
 @dataclass(frozen=True)
 class OptimizerEntry:
-    """How to build one optimizer, its default learning rate, and whether it takes a
-    structure."""
+    """How to build one optimizer, which hyperparameters are tuned and on what grid
+    (every optimizer gets the same number of trials), and whether it takes a structure."""
 
-    lr: float
     build: Callable[..., torch.optim.Optimizer]
     description: str
+    tune_grid: tuple[dict[str, float], ...]
     structured: bool = False
-
-
-def _adamw(model: nn.Module, lr: float, structure: None, **common) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    has_factors: bool = True
 
 
 def _ours(common: dict) -> dict:
-    """Keywords of our optimizers: the run's factor dtype, GradScaler and loss averaging,
-    a fixed lr for the AdamW fallback (norms, embeddings), and raising on a non-finite
-    gradient (so the harness sees it instead of a warning and a skipped step)."""
+    """Keywords of our optimizers: the run's factor dtype, stochastic rounding,
+    GradScaler and loss averaging, a fixed lr for the AdamW fallback (norms,
+    embeddings), and raising on a non-finite gradient (so the harness sees it instead
+    of a warning and a skipped step)."""
     return dict(common, fallback_lr=FALLBACK_LR, nonfinite="raise")
 
 
-def _kfac(model: nn.Module, lr: float, structure: None, **common) -> torch.optim.Optimizer:
-    return KFAC(model, lr=lr, damping=KFAC_DAMPING, **_ours(common))
+def _adamw(model: nn.Module, structure, hparams: dict, **common) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), **hparams, **FIXED_SETTINGS["adamw"])
 
 
-def _adafisher(model: nn.Module, lr: float, structure: None, **common) -> torch.optim.Optimizer:
-    return AdaFisher(model, lr=lr, **_ours(common))
+def _kfac(model: nn.Module, structure, hparams: dict, **common) -> torch.optim.Optimizer:
+    return KFAC(model, **hparams, **FIXED_SETTINGS["kfac"], **_ours(common))
 
 
-def _singd(model: nn.Module, lr: float, structure: str, **common) -> torch.optim.Optimizer:
-    return SINGD(model, lr=lr, structures=structure, **SINGD_SETTINGS, **_ours(common))
+def _adafisher(model: nn.Module, structure, hparams: dict, **common) -> torch.optim.Optimizer:
+    return AdaFisher(model, **hparams, **_ours(common))
 
 
-def _ikfac(model: nn.Module, lr: float, structure: None, **common) -> torch.optim.Optimizer:
-    settings = dict(SINGD_SETTINGS, lr_cov=IKFAC_LR_COV)
-    return SINGD(model, lr=lr, structures="dense", kfac_like=True, **settings, **_ours(common))
+def _singd(model: nn.Module, structure: str, hparams: dict, **common) -> torch.optim.Optimizer:
+    return SINGD(model, structures=structure, **hparams, **_ours(common))
 
 
-#: Optimizer name -> entry. The learning rates are chosen to train in the default steps.
+def _ikfac(model: nn.Module, structure, hparams: dict, **common) -> torch.optim.Optimizer:
+    return SINGD(model, **hparams, **FIXED_SETTINGS["ikfac"], **_ours(common))
+
+
+def _lr_grid(*lrs: float) -> tuple[dict[str, float], ...]:
+    return tuple({"lr": lr} for lr in lrs)
+
+
+def _lr_cov_grid(lrs: tuple[float, ...], lr_covs: tuple[float, ...]):
+    return tuple({"lr": lr, "lr_cov": c} for lr in lrs for c in lr_covs)
+
+
+#: Six trials per optimizer: six learning rates a half decade apart, or for SINGD and
+#: IKFAC three learning rates a decade apart times two lr_cov values (K = C = I at the
+#: start makes SINGD momentum SGD at first, hence its larger learning rates).
 OPTIMIZERS: dict[str, OptimizerEntry] = {
-    "adamw": OptimizerEntry(FALLBACK_LR, _adamw, "torch.optim.AdamW"),
-    "kfac": OptimizerEntry(3e-3, _kfac, "K-FAC with explicit inverses, damping 1e-2"),
-    "adafisher": OptimizerEntry(1e-3, _adafisher, "AdaFisher (diagonal Kronecker factors)"),
-    "singd": OptimizerEntry(2e-3, _singd, "SINGD, one run per structure", structured=True),
-    "ikfac": OptimizerEntry(2e-3, _ikfac, "IKFAC: SINGD kfac_like=True, dense factors"),
+    "adamw": OptimizerEntry(
+        _adamw,
+        "torch.optim.AdamW",
+        _lr_grid(3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1),
+        has_factors=False,
+    ),
+    "kfac": OptimizerEntry(
+        _kfac,
+        "K-FAC with explicit inverses, damping 1e-2",
+        _lr_grid(3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1),
+    ),
+    "adafisher": OptimizerEntry(
+        _adafisher,
+        "AdaFisher (diagonal Kronecker factors)",
+        _lr_grid(3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1),
+    ),
+    "singd": OptimizerEntry(
+        _singd,
+        "SINGD, one run per structure",
+        _lr_cov_grid((3e-3, 3e-2, 3e-1), (1e-2, 1e-1)),
+        structured=True,
+    ),
+    "ikfac": OptimizerEntry(
+        _ikfac,
+        "IKFAC: SINGD kfac_like=True, dense factors",
+        _lr_cov_grid((3e-3, 3e-2, 3e-1), (1e-2, 1e-1)),
+    ),
 }
 
-#: The structures SINGD runs with by default.
+#: The structures SINGD runs with in ``--full`` (the default grid uses the first two).
 STRUCTURES = (
-    "dense",
+    "block_diagonal:32",
     "diagonal",
-    "block_diagonal",
-    "low_rank",
+    "dense",
+    "low_rank:8",
     "tril_toeplitz",
     "triu_toeplitz",
-    "hierarchical",
+    "hierarchical:15,15",
 )
 
 
@@ -101,27 +138,34 @@ class OptimizerChoice:
 
     @property
     def label(self) -> str:
-        """``"adamw"``, ``"singd:dense"``, ``"singd:block_diagonal:16"``, ..."""
+        """``"adamw"``, ``"singd:dense"``, ``"singd:block_diagonal:32"``, ..."""
         return self.name if self.structure is None else f"{self.name}:{self.structure}"
+
+    @property
+    def has_factors(self) -> bool:
+        return OPTIMIZERS[self.name].has_factors
 
     def build(
         self,
         model: nn.Module,
-        lr: float,
-        factor_dtype: torch.dtype,
+        hparams: dict,
+        factor_dtype: torch.dtype | None = None,
+        stochastic_rounding: bool = False,
         grad_scaler: torch.amp.GradScaler | None = None,
         loss_average: str = "batch",
     ) -> torch.optim.Optimizer:
-        """The optimizer for ``model``; ``loss_average`` says over what the loss is a mean
-        ("batch" or "batch+sequence"), which sets the scale of the curvature statistics."""
-        return OPTIMIZERS[self.name].build(
-            model,
-            lr,
-            self.structure,
-            factor_dtype=factor_dtype,
-            grad_scaler=grad_scaler,
-            loss_average=loss_average,
-        )
+        """The optimizer for ``model`` with the tuned ``hparams`` (e.g. ``{"lr": 1e-3}``);
+        ``loss_average`` says over what the loss is a mean ("batch" or
+        "batch+sequence"), which sets the scale of the curvature statistics."""
+        common = {}
+        if self.has_factors:
+            common = dict(
+                factor_dtype=factor_dtype,
+                stochastic_rounding=stochastic_rounding,
+                grad_scaler=grad_scaler,
+                loss_average=loss_average,
+            )
+        return OPTIMIZERS[self.name].build(model, self.structure, dict(hparams), **common)
 
 
 def expand(names: list[str], structures: list[str]) -> list[OptimizerChoice]:

@@ -1,17 +1,22 @@
-"""Precision modes: how weights, activations and optimizer factors are stored.
+"""The two precision axes of the grid, kept apart.
 
-========== ============================ ============ ============== ===========
-mode       forward/backward             weights      factor dtype   GradScaler
-========== ============================ ============ ============== ===========
-fp32       float32                      float32      float32        no
-bf16-amp   ``torch.autocast`` bfloat16  float32      bfloat16       no
-fp16-amp   ``torch.autocast`` float16   float32      float16        yes
-bf16-pure  bfloat16 (``model.to``)      bfloat16     bfloat16       no
-========== ============================ ============ ============== ===========
+Model precision (how weights and activations are stored and computed):
 
-The second-order optimizers keep their Kronecker factors in the mode's low-precision
-dtype (``factor_dtype``): that is where inverse-based methods break and inverse-free
-ones are meant to hold. The loss is always computed from float32 logits.
+============== ============================ ============ ========== ===================
+mode           forward/backward             weights      GradScaler stochastic rounding
+============== ============================ ============ ========== ===================
+fp32           float32                      float32      no         no
+bf16-amp       ``torch.autocast`` bfloat16  float32      no         no
+fp16-amp       ``torch.autocast`` float16   float32      yes        no
+bf16-pure      bfloat16 (``model.to``)      bfloat16     no         no
+bf16-pure-sr   bfloat16 (``model.to``)      bfloat16     no         yes (our optimizers)
+============== ============================ ============ ========== ===================
+
+Factor precision (the dtype of the Kronecker factors of K-FAC, SINGD, IKFAC and
+AdaFisher): ``fp32`` or ``bf16``, chosen independently of the model precision, so that
+"factors stay stable in bf16" is tested on its own. AdamW has no factors (``-``), and
+it has no stochastic rounding, so it does not run in ``bf16-pure-sr``. The loss is
+always computed from float32 logits.
 """
 
 from __future__ import annotations
@@ -25,14 +30,14 @@ from torch import Tensor, nn
 
 @dataclass(frozen=True)
 class Precision:
-    """One precision mode (see the module docstring for the table)."""
+    """One model-precision mode (see the module docstring for the table)."""
 
     name: str
     description: str
     autocast_dtype: torch.dtype | None
     weight_dtype: torch.dtype
-    factor_dtype: torch.dtype
     uses_scaler: bool
+    stochastic_rounding: bool = False
 
     def prepare(self, model: nn.Module) -> nn.Module:
         """The model with its parameters and buffers in the mode's weight dtype."""
@@ -56,18 +61,22 @@ class Precision:
 PRECISIONS: dict[str, Precision] = {
     p.name: p
     for p in (
-        Precision("fp32", "float32", None, torch.float32, torch.float32, False),
+        Precision("fp32", "float32", None, torch.float32, False),
+        Precision("bf16-amp", "bfloat16 autocast", torch.bfloat16, torch.float32, False),
+        Precision("fp16-amp", "float16 autocast + GradScaler", torch.float16, torch.float32, True),
+        Precision("bf16-pure", "bfloat16 weights", None, torch.bfloat16, False),
         Precision(
-            "bf16-amp", "bfloat16 autocast", torch.bfloat16, torch.float32, torch.bfloat16, False
+            "bf16-pure-sr",
+            "bfloat16 weights, stochastic rounding",
+            None,
+            torch.bfloat16,
+            False,
+            stochastic_rounding=True,
         ),
-        Precision(
-            "fp16-amp",
-            "float16 autocast + GradScaler",
-            torch.float16,
-            torch.float32,
-            torch.float16,
-            True,
-        ),
-        Precision("bf16-pure", "bfloat16 weights", None, torch.bfloat16, torch.bfloat16, False),
     )
 }
+
+#: Factor precision name -> dtype of the Kronecker factors. "-" marks an optimizer
+#: without factors (AdamW).
+FACTOR_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+NO_FACTORS = "-"

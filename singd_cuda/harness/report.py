@@ -1,13 +1,11 @@
-"""Summaries of a grid: rich tables, one-line verdicts, JSON and PNG plots.
+"""Summaries of a grid: cells over seeds, verdicts, time-to-target, the Markdown report,
+the JSON and the PNG plots.
 
-Runs that differ only in the seed are merged into one table cell: losses are averaged
-over seeds, and the cell is unstable if any seed is. A cell's verdict is
-
-* ``failed``: some seed hit a non-finite loss or an optimizer error, or diverged (its
-  held-out loss ended above where it started);
-* ``degraded``: stable, but its best held-out loss is more than
-  :data:`DEGRADED_RATIO` x the same optimizer's fp32 run's best;
-* ``ok``: otherwise.
+Runs that differ only in the seed form one cell, keyed (task, optimizer label, model
+precision, factor precision). Numbers are means ± sample standard deviations over the
+seeds that stayed finite; failed seeds (non-finite, error, diverged) are counted, never
+averaged, so a diverged run shows as "diverged" or "nan", not as a huge number. The
+verdict rule is in :mod:`singd_cuda.harness.stats`.
 """
 
 from __future__ import annotations
@@ -19,53 +17,63 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from matplotlib.figure import Figure
-from rich.table import Table
-from rich.text import Text
 
+from .precision import NO_FACTORS
 from .runner import RunResult
+from .stats import Summary, median_or_none, summarize, verdict
 
-DEGRADED_RATIO = 1.5
 MIB = 2**20
-SCHEMA = "singd_cuda.harness/1"
-STYLES = {"ok": "green", "degraded": "yellow", "failed": "red"}
+SCHEMA = "singd_cuda.harness/2"
+REFERENCE = "adamw"
 
 
 @dataclass
 class Cell:
-    """The runs of one (task, optimizer, precision) over all seeds."""
+    """The runs of one (task, optimizer label, precision, factor) over all seeds."""
 
+    key: tuple[str, str, str, str]
     runs: list[RunResult]
     fp32: Cell | None = None
+    target: float | None = None  # AdamW's fp32 final held-out loss (mean over seeds)
+    reference: Cell | None = None  # AdamW's cell in the same precision (else fp32)
 
     @property
-    def final(self) -> float | None:
-        finals = [r.final_loss for r in self.runs]
-        return None if None in finals else statistics.fmean(finals)
+    def failed(self) -> int:
+        return sum(not r.stable for r in self.runs)
 
     @property
-    def best(self) -> float | None:
-        bests = [r.best_loss for r in self.runs if r.best_loss is not None]
-        return statistics.fmean(bests) if bests else None
-
-    @property
-    def status(self) -> str:
+    def failures(self) -> str:
+        """What went wrong, how often: empty, or e.g. "1/3 nan@40", "3/3 diverged"."""
         bad = [r for r in self.runs if not r.stable]
         if not bad:
-            return "stable"
-        # the earliest non-finite step first; "diverged" (no such step) after all of them
+            return ""
         worst = min(bad, key=lambda r: (r.first_nonfinite_step is None, r.first_nonfinite_step))
-        if len(self.runs) == 1:
-            return worst.status
-        return f"{worst.status} ({len(bad)}/{len(self.runs)} seeds)"
+        return f"{len(bad)}/{len(self.runs)} {worst.status}"
 
     @property
-    def rel_fp32(self) -> float | None:
-        """Best held-out loss over the fp32 cell's (None when either is missing). The best
-        rather than the final loss, so one late spike of a short run does not decide it."""
-        if self.fp32 is None or self.best is None or not self.fp32.best:
-            return None
-        return self.best / self.fp32.best
+    def loss(self) -> Summary | None:
+        return summarize([r.final_loss for r in self.runs if r.final_loss is not None])
+
+    @property
+    def accuracy(self) -> Summary | None:
+        return summarize([r.final_accuracy for r in self.runs if r.final_accuracy is not None])
+
+    @property
+    def verdict(self) -> str:
+        if self.fp32 is None or self.fp32 is self:
+            return "failed" if self.failed else "reference"
+        return verdict(self.loss, self.fp32.loss, self.failed)
+
+    def reach(self) -> tuple[float | None, float | None, int]:
+        """(median steps, median seconds, seeds that reached) to :attr:`target`."""
+        if self.target is None:
+            return None, None, 0
+        hits = [r.reach(self.target) for r in self.runs]
+        steps = median_or_none([h[0] if h else None for h in hits])
+        seconds = median_or_none([h[1] if h else None for h in hits])
+        return steps, seconds, sum(h is not None for h in hits)
 
     @property
     def state_mib(self) -> float:
@@ -76,250 +84,355 @@ class Cell:
         times = [t for r in self.runs for t in r.step_ms]
         return statistics.median(times) if times else None
 
-    @property
-    def verdict(self) -> str:
-        if self.status != "stable":
-            return "failed"
-        rel = self.rel_fp32
-        return "degraded" if rel is not None and rel > DEGRADED_RATIO else "ok"
 
-
-def cells(results: list[RunResult]) -> dict[tuple[str, str, str], Cell]:
-    """(task, optimizer label, precision) -> Cell, in grid order."""
-    grouped: dict[tuple[str, str, str], list[RunResult]] = defaultdict(list)
+def cells(results: list[RunResult]) -> dict[tuple[str, str, str, str], Cell]:
+    """Cell key -> Cell in grid order, linked to their fp32 cell, their AdamW reference
+    and the task's target loss."""
+    grouped: dict[tuple, list[RunResult]] = defaultdict(list)
     for r in results:
-        grouped[(r.spec.task, r.spec.optimizer.label, r.spec.precision)].append(r)
-    table = {key: Cell(runs) for key, runs in grouped.items()}
-    for (task, label, _), cell in table.items():
-        cell.fp32 = table.get((task, label, "fp32"))
+        grouped[r.spec.cell].append(r)
+    table = {key: Cell(key, runs) for key, runs in grouped.items()}
+    for (task, label, precision, factor), cell in table.items():
+        cell.fp32 = table.get((task, label, "fp32", "fp32" if factor != NO_FACTORS else factor))
+        base = table.get((task, REFERENCE, "fp32", NO_FACTORS))
+        cell.reference = table.get((task, REFERENCE, precision, NO_FACTORS), base)
+        if base is not None and base.loss is not None:
+            cell.target = base.loss.mean
     return table
 
 
-def _num(value: float | None, fmt: str) -> str:
-    return "—" if value is None else format(value, fmt)
+# ------------------------------------------------------------------ formatting
+def fmt_summary(s: Summary | None, cell: Cell, fmt: str = ".4f", scale: float = 1.0) -> str:
+    """Mean ± std ("0.4123 ± 0.0101"), or what the failed seeds were when none stayed finite."""
+    if s is None:
+        return "diverged" if any(r.status == "diverged" for r in cell.runs) else "nan"
+    spread = f" ± {format(s.std * scale, fmt)}" if s.n > 1 else ""
+    return f"{format(s.mean * scale, fmt)}{spread}"
 
 
-def _ratio(value: float | None) -> str:
-    if value is None:
+def fmt_seconds(value: float | None) -> str:
+    return "not reached" if value is None else f"{value:.2f}"
+
+
+def fmt_ratio(value: float | None) -> str:
+    if value is None or not math.isfinite(value):
         return "—"
-    return f"{value:.2f}x" if value < 100 else f"{value:.1e}x"
+    return f"{value:.2f}x"
 
 
-def task_table(task: str, description: str, table_cells: dict) -> Table:
-    """The rich table of one task: one row per (optimizer, precision)."""
-    table = Table(title=f"{task}: {description}", title_justify="left")
-    for header in ("optimizer", "precision", "final loss", "best loss", "stability"):
-        table.add_column(header, no_wrap=True)
-    for header in ("vs fp32", "state MiB", "step ms"):
-        table.add_column(header, justify="right", no_wrap=True)
-    keys = [k for k in table_cells if k[0] == task]
-    for i, key in enumerate(keys):
-        cell = table_cells[key]
-        rel = cell.rel_fp32
-        table.add_row(
-            key[1],
-            key[2],
-            _num(cell.final, ".4f"),
-            _num(cell.best, ".4f"),
-            Text(cell.status, style=STYLES["ok" if cell.status == "stable" else "failed"]),
-            Text(_ratio(rel), style=STYLES[cell.verdict]),
-            f"{cell.state_mib:.3f}",
-            _num(cell.step_ms, ".1f"),
-            end_section=i + 1 < len(keys) and keys[i + 1][1] != key[1],
-        )
-    return table
+def time_ratio(cell: Cell) -> float | None:
+    """The cell's median seconds to target over its AdamW reference's."""
+    _, seconds, _ = cell.reach()
+    if cell.reference is None or seconds is None:
+        return None
+    _, ref_seconds, _ = cell.reference.reach()
+    return seconds / ref_seconds if ref_seconds else None
 
 
-def verdicts(table_cells: dict) -> dict[str, Text]:
-    """Optimizer label -> one line: the precisions where it is ok, degraded or failed (a
-    precision takes its worst verdict over the tasks), then its state MiB per task."""
-    by_label: dict[str, list] = defaultdict(list)
-    for (task, label, precision), cell in table_cells.items():
-        by_label[label].append((task, precision, cell))
-    rank = list(STYLES)
-    lines = {}
-    for label, entries in by_label.items():
-        worst: dict[str, str] = {}
-        for _, precision, cell in entries:
-            kind = worst.get(precision, "ok")
-            worst[precision] = max(kind, cell.verdict, key=rank.index)
-        line = Text()
-        for kind in rank:
-            modes = [p for p, k in worst.items() if k == kind]
-            if not modes:
-                continue
-            details = [
-                f"{p} [{t} {_problem(c)}]" if c.verdict != "ok" else None
-                for t, p, c in entries
-                if p in modes
-            ]
-            what = ", ".join(d for d in details if d) if kind != "ok" else ", ".join(modes)
-            line.append(f"{kind} in {what}; ", style=STYLES[kind])
-        memory = []
-        for task in dict.fromkeys(t for t, _, _ in entries):
-            mib = [c.state_mib for t, _, c in entries if t == task]
-            spread = f"{max(mib):.2f}" + (f"→{min(mib):.2f}" if min(mib) < max(mib) else "")
-            memory.append(f"{task} {spread}")
-        line.append(f"state MiB {', '.join(memory)}")
-        lines[label] = line
-    return lines
+HEADERS = (
+    "optimizer",
+    "precision",
+    "factors",
+    "held-out loss",
+    "test acc %",
+    "failed seeds",
+    "vs fp32",
+    "steps to target",
+    "s to target",
+    "time vs AdamW",
+    "state MiB",
+    "step ms",
+)
 
 
-def _problem(cell: Cell) -> str:
-    if cell.status != "stable":
-        return cell.status
-    return f"{_ratio(cell.rel_fp32)} fp32"
+def cell_row(cell: Cell) -> list[str]:
+    """One table row of ``cell`` (columns :data:`HEADERS`)."""
+    _, label, precision, factor = cell.key
+    steps, seconds, reached = cell.reach()
+    n = len(cell.runs)
+    reach_note = f" ({reached}/{n})" if cell.target is not None and reached < n else ""
+    return [
+        label,
+        precision,
+        factor,
+        fmt_summary(cell.loss, cell),
+        fmt_summary(cell.accuracy, cell, ".1f", 100.0),
+        cell.failures or f"0/{n}",
+        cell.verdict,
+        ("not reached" if steps is None else f"{steps:.0f}") + reach_note,
+        fmt_seconds(seconds),
+        fmt_ratio(time_ratio(cell)),
+        f"{cell.state_mib:.3f}",
+        "—" if cell.step_ms is None else f"{cell.step_ms:.2f}",
+    ]
 
 
-def _clean(value: float | None) -> float | None:
-    return value if value is not None and math.isfinite(value) else None
+def markdown_table(headers: list[str] | tuple[str, ...], rows: list[list[str]]) -> str:
+    """A GitHub Markdown table."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
 
 
-def run_record(r: RunResult, cell: Cell) -> dict:
-    """The JSON record of one run."""
+def task_table(task: str, table_cells: dict) -> str:
+    """The Markdown table of one task: one row per cell."""
+    rows = [cell_row(c) for key, c in table_cells.items() if key[0] == task]
+    return markdown_table(HEADERS, rows)
+
+
+def text_table(headers, rows: list[list[str]]) -> str:
+    """A plain aligned text table for the terminal."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------ JSON
+def run_record(r: RunResult) -> dict:
+    """The JSON record of one run (non-finite values as null)."""
     s = r.spec
-    rel = None
-    if cell.fp32 is not None:
-        ref = [f.best_loss for f in cell.fp32.runs if f.spec.seed == s.seed]
-        if ref and ref[0] and r.best_loss is not None:
-            rel = r.best_loss / ref[0]
     return {
         "task": s.task,
         "optimizer": s.optimizer.name,
         "structure": s.optimizer.structure,
         "label": s.optimizer.label,
         "precision": s.precision,
+        "factor": s.factor,
         "seed": s.seed,
-        "lr": s.lr,
+        "hparams": dict(s.hparams),
         "steps": s.steps,
         "steps_run": len(r.step_ms),
         "status": r.status,
         "first_nonfinite_step": r.first_nonfinite_step,
         "error": r.error,
-        "final_loss": _clean(r.final_loss),
-        "best_loss": _clean(r.best_loss),
-        "rel_fp32": rel,
+        "final_loss": r.final_loss,
+        "final_accuracy": r.final_accuracy,
+        "best_loss": r.best_loss,
         "state_bytes": r.state_bytes,
-        "state_mib": r.state_bytes / MIB,
         "median_step_ms": r.median_step_ms,
+        "wall_s": r.wall_s,
         "train_loss": r.train_loss,
         "eval_steps": r.eval_steps,
         "eval_loss": r.eval_loss,
+        "eval_accuracy": r.eval_accuracy,
+        "eval_seconds": r.eval_seconds,
+    }
+
+
+def cell_record(cell: Cell) -> dict:
+    """The JSON summary of one cell."""
+    task, label, precision, factor = cell.key
+    steps, seconds, reached = cell.reach()
+    loss, acc = cell.loss, cell.accuracy
+    return {
+        "task": task,
+        "label": label,
+        "precision": precision,
+        "factor": factor,
+        "seeds": len(cell.runs),
+        "failed_seeds": cell.failed,
+        "failures": cell.failures,
+        "loss_mean": loss and loss.mean,
+        "loss_std": loss and loss.std,
+        "accuracy_mean": acc and acc.mean,
+        "accuracy_std": acc and acc.std,
+        "verdict": cell.verdict,
+        "target_loss": cell.target,
+        "steps_to_target": steps,
+        "seconds_to_target": seconds,
+        "seeds_reaching_target": reached,
+        "time_vs_adamw": time_ratio(cell),
+        "state_mib": cell.state_mib,
+        "median_step_ms": cell.step_ms,
     }
 
 
 def write_json(path: Path, meta: dict, results: list[RunResult], table_cells: dict) -> None:
-    """``results.json``: schema tag, run metadata, every run, and the verdict lines."""
-    by_run = {id(r): cell for cell in table_cells.values() for r in cell.runs}
+    """``results.json``: schema tag, run metadata, every run and every cell."""
     payload = {
         "schema": SCHEMA,
         **meta,
-        "runs": [run_record(r, by_run[id(r)]) for r in results],
-        "verdicts": {label: line.plain for label, line in verdicts(table_cells).items()},
+        "cells": [cell_record(c) for c in table_cells.values()],
+        "runs": [run_record(r) for r in results],
     }
     path.write_text(json.dumps(payload, indent=1))
 
 
-def _smooth(values: list[float | None], window: int) -> tuple[list[int], list[float]]:
-    steps, out = [], []
-    for i, v in enumerate(values):
-        if v is None:
-            break
-        chunk = [x for x in values[max(0, i - window + 1) : i + 1] if x is not None]
-        steps.append(i)
-        out.append(statistics.fmean(chunk))
-    return steps, out
+# ----------------------------------------------------------------------- plots
+def _series(cell: Cell, values: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """(steps, (seeds, evals) array) of the stable runs' ``eval_loss`` or
+    ``eval_accuracy``, or None without a stable run."""
+    stable = [r for r in cell.runs if r.stable]
+    if not stable:
+        return None
+    steps = np.array(stable[0].eval_steps)
+    return steps, np.array([getattr(r, values) for r in stable], dtype=float)
 
 
-def plot_losses(path: Path, task: str, results: list[RunResult]) -> None:
-    """``loss_<task>.png``: one panel per precision, training loss (moving average) per
-    optimizer; an x marks where a run went non-finite."""
-    runs = [r for r in results if r.spec.task == task]
-    precisions = list(dict.fromkeys(r.spec.precision for r in runs))
-    labels = list(dict.fromkeys(r.spec.optimizer.label for r in runs))
-    colors = {label: f"C{i % 10}" for i, label in enumerate(labels)}
-    styles = {label: "-" if i < 10 else "--" for i, label in enumerate(labels)}
-    fig = Figure(figsize=(4.2 * len(precisions), 3.8), layout="constrained")
-    axes = fig.subplots(1, len(precisions), sharey=True, squeeze=False)[0]
-    for ax, precision in zip(axes, precisions, strict=True):
-        for r in (r for r in runs if r.spec.precision == precision):
-            label = r.spec.optimizer.label
-            window = max(1, r.spec.steps // 20)
-            xs, ys = _smooth(r.train_loss, window)
-            first = r.spec.seed == min(q.spec.seed for q in runs)
-            ax.plot(
-                xs, ys, styles[label], color=colors[label], lw=1.2, label=label if first else None
-            )
-            if r.first_nonfinite_step is not None and ys:
-                ax.plot(xs[-1], ys[-1], "x", color=colors[label], ms=9, mew=2)
-        ax.set_title(f"{task} — {precision}")
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("training loss (moving average)")
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside right upper", fontsize=8)
-    fig.savefig(path, dpi=110)
+def loss_axis_range(cells_: list[Cell]) -> tuple[float, float]:
+    """(low, high) of the loss axis: from the lowest finite held-out loss to 1.5x the
+    highest initial loss, so a diverged run cannot stretch the axis."""
+    finite = [x for c in cells_ for r in c.runs for x in r.eval_loss if x is not None]
+    starts = [r.eval_loss[0] for c in cells_ for r in c.runs if r.eval_loss and r.eval_loss[0]]
+    if not finite or not starts:
+        return 0.1, 10.0
+    low = max(min(finite) * 0.8, 1e-4)
+    return low, max(1.5 * max(starts), low * 2)
+
+
+def plot_curves(path: Path, task: str, table_cells: dict) -> Figure:
+    """``curves_<task>.png``: small multiples, one column per optimizer; the top row the
+    held-out loss (log axis, clipped to :func:`loss_axis_range`), the bottom row the
+    held-out accuracy. One colour per (precision, factors); mean over stable seeds with
+    a min–max band; a failed seed is marked with an x at the top of the loss panel at
+    the step it failed, labelled with its status. Returns the figure."""
+    mine = [c for k, c in table_cells.items() if k[0] == task]
+    labels = list(dict.fromkeys(c.key[1] for c in mine))
+    modes = list(dict.fromkeys(c.key[2:] for c in mine))
+    colors = {m: f"C{i % 10}" for i, m in enumerate(modes)}
+    styles = {m: "-" if i < 10 else "--" for i, m in enumerate(modes)}
+    low, high = loss_axis_range(mine)
+    fig = Figure(figsize=(3.2 * len(labels) + 1.5, 6.0), layout="constrained")
+    axes = fig.subplots(2, len(labels), squeeze=False, sharex="col")
+    for j, label in enumerate(labels):
+        top, bottom = axes[0, j], axes[1, j]
+        for cell in (c for c in mine if c.key[1] == label):
+            mode = cell.key[2:]
+            name = f"{mode[0]} / factors {mode[1]}"
+            for ax, values in ((top, "eval_loss"), (bottom, "eval_accuracy")):
+                series = _series(cell, values)
+                if series is None:
+                    continue
+                steps, ys = series
+                ys = np.clip(ys, low, high) if values == "eval_loss" else ys
+                ax.plot(steps, ys.mean(0), styles[mode], color=colors[mode], lw=1.2, label=name)
+                ax.fill_between(steps, ys.min(0), ys.max(0), color=colors[mode], alpha=0.15)
+            for r in cell.runs:
+                if not r.stable:
+                    at = (
+                        r.first_nonfinite_step
+                        if r.first_nonfinite_step is not None
+                        else r.spec.steps
+                    )
+                    top.plot(at, high / 1.08, "x", color=colors[mode], ms=8, mew=2)
+                    top.annotate(
+                        r.status.split("@")[0],
+                        (at, high / 1.08),
+                        fontsize=6,
+                        color=colors[mode],
+                        xytext=(2, -8),
+                        textcoords="offset points",
+                    )
+        top.set_yscale("log")
+        top.set_ylim(low, high)
+        top.set_title(label, fontsize=9)
+        bottom.set_ylim(0.0, 1.0)
+        bottom.set_xlabel("step")
+        for ax in (top, bottom):
+            ax.grid(alpha=0.3)
+    axes[0, 0].set_ylabel("held-out loss (log, clipped)")
+    axes[1, 0].set_ylabel("held-out accuracy")
+    handles, names = [], []
+    for ax in axes[0]:
+        for h, n in zip(*ax.get_legend_handles_labels(), strict=True):
+            if n not in names:
+                handles.append(h)
+                names.append(n)
+    fig.legend(handles, names, loc="outside right upper", fontsize=7)
+    fig.suptitle(f"{task}: mean over seeds, band = min..max; x = failed seed", fontsize=10)
+    fig.savefig(path, dpi=100)
+    return fig
+
+
+def plot_time_to_target(path: Path, table_cells: dict) -> None:
+    """``time_to_target.png``: median training seconds to AdamW's fp32 final held-out
+    loss per cell, one panel per task; "not reached" written where it was not."""
+    tasks = list(dict.fromkeys(k[0] for k in table_cells))
+    rows = max(len([k for k in table_cells if k[0] == t]) for t in tasks)
+    fig = Figure(figsize=(8, 0.22 * rows * len(tasks) + 1.2 * len(tasks)), layout="constrained")
+    axes = fig.subplots(len(tasks), 1, squeeze=False)[:, 0]
+    for ax, task in zip(axes, tasks, strict=True):
+        mine = [c for k, c in table_cells.items() if k[0] == task]
+        names = [f"{c.key[1]} {c.key[2]}/{c.key[3]}" for c in mine]
+        seconds = [c.reach()[1] for c in mine]
+        reached = [s for s in seconds if s is not None]
+        top = max(reached) * 1.15 if reached else 1.0
+        ys = range(len(mine))
+        optimizers = list(dict.fromkeys(c.key[1] for c in mine))
+        colors = [f"C{optimizers.index(c.key[1]) % 10}" for c in mine]
+        ax.barh(ys, [s if s is not None else 0.0 for s in seconds], color=colors)
+        for y, s in zip(ys, seconds, strict=True):
+            if s is None:
+                ax.text(top * 0.01, y, "not reached", va="center", fontsize=6, color="red")
+        ax.set_yticks(list(ys), names, fontsize=6)
+        ax.invert_yaxis()
+        ax.set_xlim(0, top)
+        ax.set_xlabel("training seconds to AdamW's fp32 final held-out loss (median over seeds)")
+        ax.set_title(task, fontsize=9)
+        ax.grid(axis="x", alpha=0.3)
+    fig.savefig(path, dpi=100)
 
 
 def plot_memory(path: Path, table_cells: dict) -> None:
-    """``memory.png``: optimizer-state MiB per optimizer/structure, one bar per
-    precision (factor dtype), one panel per task."""
+    """``memory.png``: optimizer-state MiB per optimizer/structure and factor dtype
+    (fp32 model), one panel per task."""
     tasks = list(dict.fromkeys(k[0] for k in table_cells))
-    fig = Figure(figsize=(10, 3.6 * len(tasks)), layout="constrained")
+    fig = Figure(figsize=(9, 3.2 * len(tasks)), layout="constrained")
     axes = fig.subplots(len(tasks), 1, squeeze=False)[:, 0]
     for ax, task in zip(axes, tasks, strict=True):
-        keys = [k for k in table_cells if k[0] == task]
-        labels = list(dict.fromkeys(k[1] for k in keys))
-        precisions = list(dict.fromkeys(k[2] for k in keys))
-        width = 0.8 / len(precisions)
-        for j, precision in enumerate(precisions):
-            xs = [i + j * width for i, label in enumerate(labels)]
-            mib = [
-                table_cells[(task, label, precision)].state_mib
-                if (task, label, precision) in table_cells
-                else 0.0
-                for label in labels
-            ]
-            ax.bar(xs, mib, width, label=precision)
+        rows = memory_rows(task, table_cells)
+        labels = [r[0] for r in rows]
+        for j, (name, index) in enumerate((("fp32 factors", 1), ("bf16 factors", 2))):
+            values = [float(r[index]) if r[index] != "—" else 0.0 for r in rows]
+            ax.bar([i + 0.4 * j for i in range(len(rows))], values, 0.4, label=name)
         ax.set_xticks(
-            [i + 0.4 - width / 2 for i in range(len(labels))],
-            labels,
-            rotation=30,
-            ha="right",
-            fontsize=8,
+            [i + 0.2 for i in range(len(rows))], labels, rotation=30, ha="right", fontsize=7
         )
         ax.set_ylabel("optimizer state MiB")
-        ax.set_title(f"{task}: optimizer-state memory (factors in the precision's dtype)")
-        ax.legend(fontsize=8)
+        ax.set_title(f"{task}: optimizer-state memory", fontsize=9)
+        ax.legend(fontsize=7)
         ax.grid(axis="y", alpha=0.3)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
 
 
-def memory_table(model: str, rows: list) -> Table:
-    """The rich table of the ``memory`` sub-command for one model."""
+def memory_rows(task: str, table_cells: dict) -> list[list[str]]:
+    """[label, MiB with fp32 factors, MiB with bf16 factors] per optimizer label, from
+    the cells with the fp32 model (AdamW: its state in both columns)."""
+    rows = []
+    for label in dict.fromkeys(k[1] for k in table_cells if k[0] == task):
+        row = [label]
+        for factor in ("fp32", "bf16"):
+            cell = table_cells.get((task, label, "fp32", factor)) or table_cells.get(
+                (task, label, "fp32", NO_FACTORS)
+            )
+            row.append("—" if cell is None else f"{cell.state_mib:.3f}")
+        rows.append(row)
+    return rows
+
+
+# ------------------------------------------------------------- memory command
+def memory_table(model: str, rows: list) -> str:
+    """The text table of the ``memory`` sub-command for one model."""
     first = rows[0]
-    table = Table(
-        title=f"{model} ({first.parameters / 1e6:.1f} M parameters)", title_justify="left"
-    )
-    table.add_column("optimizer", no_wrap=True)
-    for header in ("state MiB", "formula MiB", "vs AdamW", "peak step MiB"):
-        table.add_column(header, justify="right", no_wrap=True)
-    table.add_column("check", no_wrap=True)
     adamw = next((r.measured_bytes for r in rows if r.label == "adamw"), None)
+    body = []
     for r in rows:
         ok = r.measured_bytes == r.formula_bytes
-        table.add_row(
-            r.label,
-            f"{r.measured_bytes / MIB:.2f}",
-            f"{r.formula_bytes / MIB:.2f}",
-            _ratio(r.measured_bytes / adamw if adamw else None),
-            f"{r.peak_bytes / MIB:.1f}",
-            Text(
+        body.append(
+            [
+                r.label,
+                f"{r.measured_bytes / MIB:.2f}",
+                f"{r.formula_bytes / MIB:.2f}",
+                fmt_ratio(r.measured_bytes / adamw if adamw else None),
+                f"{r.peak_bytes / MIB:.1f}",
                 "= formula" if ok else f"differs by {r.measured_bytes - r.formula_bytes} B",
-                style="green" if ok else "red",
-            ),
+            ]
         )
-    table.caption = f"peak: {first.peak_method}"
-    return table
+    headers = ["optimizer", "state MiB", "formula MiB", "vs AdamW", "peak step MiB", "check"]
+    title = f"{model} ({first.parameters / 1e6:.1f} M parameters); peak: {first.peak_method}"
+    return title + "\n" + text_table(headers, body)
 
 
 def plot_memory_rows(path: Path, rows: list) -> None:

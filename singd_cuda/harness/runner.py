@@ -1,10 +1,13 @@
-"""Train and measure one (task, optimizer, precision, seed) run.
+"""Train and measure one (task, optimizer, precision, factor dtype, seed) run.
 
-A run evaluates the held-out loss before training, every ``steps // 10`` steps and
-after the last step. It stops at the first non-finite training or held-out loss (or
-at an exception from the optimizer, e.g. a failed inverse) and reports where; it never
-raises, so one broken run cannot stop the grid. A run that stays finite but ends with a
-held-out loss above its initial one is reported as diverged.
+A run evaluates the held-out loss and accuracy before training, at
+:data:`EVALUATIONS` evenly spaced steps and after the last step, and records the
+training wall-clock time (evaluations excluded) of every step; time to target is the
+step at which the held-out loss first reaches the target times the median step time.
+It stops at the first non-finite training or held-out loss (or at an exception from the
+optimizer, e.g. a failed inverse) and reports where; it never raises, so one broken run
+cannot stop the grid. A run that stays finite but ends with a held-out loss above its
+initial one is reported as diverged.
 """
 
 from __future__ import annotations
@@ -20,33 +23,55 @@ import torch
 from .data import Task
 from .memory import state_bytes
 from .optimizers import OptimizerChoice
-from .precision import PRECISIONS, Precision
+from .precision import FACTOR_DTYPES, PRECISIONS, Precision
+
+#: Held-out evaluations per run (plus the one before training).
+EVALUATIONS = 20
 
 
 @dataclass(frozen=True)
 class RunSpec:
-    """One cell of the grid."""
+    """One run of the grid. ``factor`` is a key of ``FACTOR_DTYPES`` or ``"-"`` (no
+    factors); ``hparams`` the tuned values as sorted (name, value) pairs."""
 
     task: str
     optimizer: OptimizerChoice
     precision: str
+    factor: str
     seed: int
     steps: int
-    lr: float
+    hparams: tuple[tuple[str, float], ...]
+
+    @property
+    def cell(self) -> tuple[str, str, str, str]:
+        """The table cell this run belongs to: (task, optimizer label, precision, factor)."""
+        return (self.task, self.optimizer.label, self.precision, self.factor)
+
+    @property
+    def lr(self) -> float:
+        return dict(self.hparams)["lr"]
 
 
 @dataclass
 class RunResult:
-    """What one run measured. Losses are None where they were not finite."""
+    """What one run measured. Losses are None where they were not finite.
+
+    ``eval_seconds[i]``: cumulative training wall-clock seconds (forward, backward,
+    optimizer step; evaluations excluded) before ``eval_steps[i]``, as measured (kept
+    in the JSON; time to target uses the median step time, see :meth:`reach`).
+    """
 
     spec: RunSpec
     train_loss: list[float | None] = field(default_factory=list)
     eval_steps: list[int] = field(default_factory=list)
     eval_loss: list[float | None] = field(default_factory=list)
+    eval_accuracy: list[float | None] = field(default_factory=list)
+    eval_seconds: list[float] = field(default_factory=list)
     first_nonfinite_step: int | None = None
     error: str | None = None
     state_bytes: int = 0
     step_ms: list[float] = field(default_factory=list)
+    wall_s: float = 0.0  # the whole run, evaluations and set-up included
 
     @property
     def diverged(self) -> bool:
@@ -68,8 +93,13 @@ class RunResult:
 
     @property
     def final_loss(self) -> float | None:
-        """The held-out loss after the last step (None when the run went non-finite)."""
-        return self.eval_loss[-1] if self.first_nonfinite_step is None else None
+        """The held-out loss after the last step (None unless the run is stable)."""
+        return self.eval_loss[-1] if self.stable else None
+
+    @property
+    def final_accuracy(self) -> float | None:
+        """The held-out accuracy after the last step (None unless the run is stable)."""
+        return self.eval_accuracy[-1] if self.stable else None
 
     @property
     def best_loss(self) -> float | None:
@@ -82,19 +112,34 @@ class RunResult:
         """Median wall time of one training step (forward, backward, optimizer step)."""
         return statistics.median(self.step_ms) if self.step_ms else None
 
+    def reach(self, target: float) -> tuple[int, float] | None:
+        """(step, seconds) of the first evaluation with held-out loss <= ``target``, or
+        None when no evaluation reaches it. Seconds = step x the run's median measured
+        step time: robust to one-off stalls (the first build of the fused ops, a burst
+        of load from other processes) that a cumulative clock would count."""
+        median = self.median_step_ms
+        for step, loss in zip(self.eval_steps, self.eval_loss, strict=True):
+            if loss is not None and loss <= target:
+                return step, step * (median or 0.0) / 1e3
+        return None
+
 
 def _finite(value: torch.Tensor) -> float | None:
     x = value.item()
     return x if math.isfinite(x) else None
 
 
-def _evaluate(task: Task, model, precision: Precision, device: torch.device) -> float | None:
+def _evaluate(
+    task: Task, model, precision: Precision, device: torch.device
+) -> tuple[float | None, float | None]:
     model.eval()
     with torch.no_grad(), precision.autocast(device):
         x = precision.cast_input(task.eval_x.to(device))
-        loss = task.loss(model(x), task.eval_y.to(device))
+        logits = model(x)
+        target = task.eval_y.to(device)
+        loss = _finite(task.loss(logits, target))
     model.train()
-    return _finite(loss)
+    return loss, (task.accuracy(logits, target) if loss is not None else None)
 
 
 def train(
@@ -104,22 +149,37 @@ def train(
     on_step: Callable[[int], None] = lambda step: None,
 ) -> RunResult:
     """Train ``spec`` on ``task`` and measure it; ``on_step`` is called after each step."""
+    started = time.perf_counter()
     result = RunResult(spec)
     precision = PRECISIONS[spec.precision]
     torch.manual_seed(spec.seed)
     model = precision.prepare(task.make_model().to(device))
     scaler = precision.make_scaler(device)
     batches = task.batch_indices(spec.steps, spec.seed)
-    eval_every = max(1, spec.steps // 10)
-    step, optimizer = 0, None
+    eval_every = max(1, spec.steps // EVALUATIONS)
+    step, optimizer, seconds = 0, None, 0.0
+
+    def evaluate(at: int) -> bool:
+        loss, accuracy = _evaluate(task, model, precision, device)
+        result.eval_steps.append(at)
+        result.eval_loss.append(loss)
+        result.eval_accuracy.append(accuracy)
+        result.eval_seconds.append(seconds)
+        if loss is None:
+            result.first_nonfinite_step = at
+        return loss is not None
+
     try:
         optimizer = spec.optimizer.build(
-            model, spec.lr, precision.factor_dtype, scaler, task.loss_average
+            model,
+            dict(spec.hparams),
+            FACTOR_DTYPES.get(spec.factor),
+            precision.stochastic_rounding,
+            scaler,
+            task.loss_average,
         )
-        result.eval_steps.append(0)
-        result.eval_loss.append(_evaluate(task, model, precision, device))
-        if result.eval_loss[0] is None:
-            result.first_nonfinite_step = 0
+        if not evaluate(0):
+            result.wall_s = time.perf_counter() - started
             return result
         for step in range(spec.steps):
             idx = batches[step]
@@ -142,14 +202,12 @@ def train(
                 scaler.update()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            result.step_ms.append(1e3 * (time.perf_counter() - start))
+            elapsed = time.perf_counter() - start
+            seconds += elapsed
+            result.step_ms.append(1e3 * elapsed)
             on_step(step)
-            if (step + 1) % eval_every == 0 or step + 1 == spec.steps:
-                result.eval_steps.append(step + 1)
-                result.eval_loss.append(_evaluate(task, model, precision, device))
-                if result.eval_loss[-1] is None:
-                    result.first_nonfinite_step = step + 1
-                    break
+            if ((step + 1) % eval_every == 0 or step + 1 == spec.steps) and not evaluate(step + 1):
+                break
     except FloatingPointError:  # the optimizer met a non-finite gradient
         result.first_nonfinite_step = step
     except Exception as exc:  # an optimizer failing is a result of the run, not a crash
@@ -157,4 +215,5 @@ def train(
         result.first_nonfinite_step = step
     if optimizer is not None:
         result.state_bytes = state_bytes(optimizer)
+    result.wall_s = time.perf_counter() - started
     return result

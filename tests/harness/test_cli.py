@@ -1,11 +1,14 @@
-"""The harness command end to end on a tiny grid, and its errors for bad options."""
+"""The harness command end to end on a tiny grid (in-process and in worker processes),
+the tune command's output format, and its errors for bad options."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
 
+from singd_cuda.harness import tune as tuning
 from singd_cuda.harness.cli import main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -14,70 +17,130 @@ RUN_KEYS = {
     "optimizer": str,
     "label": str,
     "precision": str,
+    "factor": str,
     "seed": int,
-    "lr": float,
+    "hparams": dict,
     "steps": int,
     "steps_run": int,
     "status": str,
     "state_bytes": int,
-    "state_mib": float,
     "median_step_ms": float,
     "train_loss": list,
     "eval_steps": list,
     "eval_loss": list,
+    "eval_accuracy": list,
+    "eval_seconds": list,
 }
+CELL_KEYS = (
+    "loss_mean",
+    "loss_std",
+    "accuracy_mean",
+    "failed_seeds",
+    "verdict",
+    "steps_to_target",
+    "seconds_to_target",
+    "time_vs_adamw",
+    "state_mib",
+)
 
 
 @pytest.fixture(scope="module")
 def tiny_grid(tmp_path_factory):
-    """One tiny grid over both tasks, a first- and two second-order optimizers, three modes."""
+    """A first- and a second-order optimizer, two model precisions, both factor
+    precisions, two seeds, two steps; runs in this process (--workers 1)."""
     out = tmp_path_factory.mktemp("grid")
-    argv = ["--optimizers", "adamw", "kfac", "singd", "--structures", "diagonal", "dense"]
-    argv += ["--precisions", "fp32", "fp16-amp", "bf16-pure", "--steps", "3", "--seeds", "0"]
+    argv = ["--tasks", "mnist1d_mlp", "--optimizers", "adamw", "singd"]
+    argv += ["--structures", "diagonal", "--precisions", "fp32", "bf16-pure-sr"]
+    argv += ["--steps", "2", "--seeds", "0", "1", "--workers", "1"]
     argv += ["--device", "cpu", "--out", str(out)]
     return out, argv
 
 
-def test_tiny_grid_table_json_and_plots(tiny_grid, capsys):
+def test_tiny_grid_report_json_and_plots(tiny_grid, capsys):
     out, argv = tiny_grid
     assert main(argv) == 0
     text = capsys.readouterr().out
-    for needle in (
-        "digits: sklearn digits",
-        "lm: char LM",
-        "final loss",
-        "best loss",
-        "stability",
-        "vs fp32",
-        "state MiB",
-        "step ms",
-        "singd:diagonal",
-        "kfac",
-        "fp16-amp",
-        "stable",
-        "Verdicts",
-        str(out),
-    ):
+    for needle in ("mnist1d_mlp:", "held-out loss", "ETA", "singd:diagonal", "bf16-pure-sr"):
         assert needle in text, needle
-    assert (out / "report.txt").read_text().count("final loss") == 2
+    assert text.rstrip().splitlines()[-1].endswith("memory.png)")
+    assert str(out / "report.md") in text.rstrip().splitlines()[-1]
+
+    report = (out / "report.md").read_text()
+    for needle in ("## Verdict rule", "standard errors", "## Time to target", "paper: MLP", "68"):
+        assert needle in report, needle
 
     payload = json.loads((out / "results.json").read_text())
-    assert payload["schema"] == "singd_cuda.harness/1"
-    assert payload["config"]["steps"] == {"digits": 3, "lm": 3}
-    assert len(payload["runs"]) == 2 * 4 * 3  # tasks x (adamw, kfac, 2 structures) x modes
+    assert payload["schema"] == "singd_cuda.harness/2"
+    assert payload["config"]["steps"] == {"mnist1d_mlp": 2}
+    # adamw fp32 (no stochastic rounding for AdamW), singd in 2 precisions x 2 factor
+    # dtypes; 2 seeds each
+    assert len(payload["runs"]) == (1 + 4) * 2
     for run in payload["runs"]:
         for key, kind in RUN_KEYS.items():
             assert isinstance(run[key], kind), (key, run[key])
-        assert run["status"] == "stable"
-        assert len(run["train_loss"]) == run["steps_run"] == 3
-        assert run["eval_steps"] == [0, 1, 2, 3]
-        assert run["final_loss"] == run["eval_loss"][-1]
-        assert run["rel_fp32"] == pytest.approx(1.0) if run["precision"] == "fp32" else True
-        assert run["state_bytes"] > 0
-    assert set(payload["verdicts"]) == {"adamw", "kfac", "singd:diagonal", "singd:dense"}
+        assert run["factor"] == ("-" if run["optimizer"] == "adamw" else run["factor"])
+        assert run["eval_steps"] == [0, 1, 2] or run["status"] != "stable"
+    assert len(payload["cells"]) == 1 + 4
+    for cell in payload["cells"]:
+        assert all(key in cell for key in CELL_KEYS)
+        assert cell["seeds"] == 2
+    lines = (out / "runs.jsonl").read_text().splitlines()
+    assert len(lines) == len(payload["runs"])  # written as the runs finished
 
-    for name in ("loss_digits.png", "loss_lm.png", "memory.png"):
+    for name in ("curves_mnist1d_mlp.png", "time_to_target.png", "memory.png"):
         assert (out / name).read_bytes()[:8] == PNG_MAGIC
+
+
+def test_report_is_rebuilt_from_a_partial_grid(tiny_grid, tmp_path, capsys):
+    out, _ = tiny_grid
+    lines = (out / "runs.jsonl").read_text().splitlines()[:5]  # as if interrupted
+    (tmp_path / "runs.jsonl").write_text("\n".join(lines) + "\n")
+    assert main(["report", str(tmp_path)]) == 0
+    assert "interrupted" in (tmp_path / "report.md").read_text()
+    assert len(json.loads((tmp_path / "results.json").read_text())["runs"]) == 5
+    assert main(["report", str(out)]) == 0  # and from a finished grid's results.json
+    assert str(out / "report.md") in capsys.readouterr().out
+
+
+def test_grid_in_worker_processes(tmp_path, capsys):
+    """Two worker processes; the character LM as the second task."""
+    argv = ["--tasks", "mnist1d_mlp", "lm", "--optimizers", "adamw", "singd", "--structures"]
+    argv += ["diagonal", "--precisions", "fp32", "--factors", "fp32", "--steps", "2"]
+    argv += ["--seeds", "0", "--workers", "2", "--device", "cpu", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "with 2 worker(s)" in text and "[4/4]" in text and "lm:" in text
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert sorted((r["task"], r["label"]) for r in runs) == [
+        ("lm", "adamw"),
+        ("lm", "singd:diagonal"),
+        ("mnist1d_mlp", "adamw"),
+        ("mnist1d_mlp", "singd:diagonal"),
+    ]
+
+
+def test_tune_writes_chosen_values_and_the_sweep(tmp_path, capsys):
+    argv = ["--tasks", "mnist1d_mlp", "--optimizers", "adamw", "singd", "--structures"]
+    argv += ["diagonal", "--steps", "2", "--workers", "1", "--device", "cpu"]
+    argv += ["--out", str(tmp_path)]
+    assert main(["tune", *argv]) == 0
+    payload = json.loads((tmp_path / "tuned.json").read_text())
+    chosen = payload["chosen"]["mnist1d_mlp"]
+    assert set(chosen) == {"adamw", "singd:diagonal"}
+    assert set(chosen["adamw"]) == {"lr"} and set(chosen["singd:diagonal"]) == {"lr", "lr_cov"}
+    trials = [row["label"] for row in payload["sweep"]]
+    assert trials.count("adamw") == trials.count("singd:diagonal") == 6  # same budget
+    assert payload["command"].startswith("python -m singd_cuda.harness tune")
+    sweep = (tmp_path / "sweep.md").read_text()
+    assert sweep.count("**chosen**") == 2 and "| lr_cov |" in sweep
+
+    module = tmp_path / "tuned_copy.py"
+    tuning.record(payload["chosen"], payload, module)
+    spec = importlib.util.spec_from_file_location("tuned_copy", module)
+    recorded = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recorded)
+    assert payload["command"] == recorded.COMMAND
+    assert recorded.TUNED["mnist1d_mlp"]["adamw"] == chosen["adamw"]
 
 
 def test_memory_command(tmp_path, capsys):
@@ -96,15 +159,18 @@ def test_memory_command(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("argv", "valid"),
     [
-        (["--tasks", "mnist"], ["digits", "lm"]),
+        (["--tasks", "mnist"], ["mnist1d_mlp", "mnist1d_cnn", "lm"]),
         (["--optimizers", "sgd"], ["adamw", "kfac", "adafisher", "singd", "ikfac"]),
-        (["--precisions", "fp8"], ["fp32", "bf16-amp", "fp16-amp", "bf16-pure"]),
+        (["--precisions", "fp8"], ["fp32", "bf16-amp", "fp16-amp", "bf16-pure", "bf16-pure-sr"]),
+        (["--factors", "fp8"], ["fp32", "bf16"]),
         (["--structures", "banded"], ["dense", "block_diagonal", "hierarchical"]),
         (["--structures", "low_rank:x"], ["low_rank"]),
         (["--lr", "sgd=0.1"], ["adamw", "singd", "ikfac"]),
         (["--lr", "fast"], ["adamw", "singd"]),
         (["--steps", "0"], ["positive integer"]),
+        (["--workers", "0"], ["positive integer"]),
         (["--device", "tpu"], ["auto", "cpu", "cuda"]),
+        (["tune", "--optimizers", "sgd"], ["adamw", "singd"]),
         (["memory", "--models", "resnet50"], ["resnet18", "vit_tiny", "gpt_tiny"]),
         (["memory", "--factor-dtype", "fp8"], ["float32", "bfloat16", "float16"]),
     ],

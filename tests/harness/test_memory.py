@@ -46,7 +46,7 @@ class Mixed(nn.Module):
 def test_formula_equals_measured_state(choice, factor_dtype):
     torch.manual_seed(0)
     model = Mixed()
-    optimizer = choice.build(model, 1e-3, factor_dtype, None)
+    optimizer = choice.build(model, {"lr": 1e-3}, factor_dtype)
     idx = torch.randint(11, (4, 5, 5))
     F.cross_entropy(model(idx), torch.randint(37, (4,))).backward()
     optimizer.step()

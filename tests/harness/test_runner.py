@@ -1,4 +1,4 @@
-"""Single runs: determinism, early stop on non-finite values, and the data."""
+"""Single runs: determinism, early stop on non-finite values, time to a target, data."""
 
 from __future__ import annotations
 
@@ -6,15 +6,42 @@ import math
 
 import torch
 
-from singd_cuda.harness.data import TASKS, VOCAB, corpus_text, digits_task, encode, lm_task
+from singd_cuda.harness.data import (
+    TASKS,
+    VOCAB,
+    corpus_text,
+    encode,
+    lm_task,
+    mnist1d_mlp_task,
+)
+from singd_cuda.harness.models import MNIST1DCNN, MNIST1DMLP
 from singd_cuda.harness.optimizers import OptimizerChoice
-from singd_cuda.harness.runner import RunSpec, train
+from singd_cuda.harness.runner import EVALUATIONS, RunSpec, train
 
 CPU = torch.device("cpu")
 
 
+def spec(optimizer, precision="fp32", factor="fp32", steps=4, **hparams) -> RunSpec:
+    hp = tuple(sorted((hparams or {"lr": 0.05}).items()))
+    return RunSpec("mnist1d_mlp", optimizer, precision, factor, 0, steps, hp)
+
+
+def test_mnist1d_is_generated_locally_with_the_paper_sizes():
+    task = mnist1d_mlp_task()
+    assert task.train_x.shape == (4000, 40) and task.eval_x.shape == (1000, 40)
+    assert set(task.train_y.unique().tolist()) == set(range(10))
+    assert task.batch_size == 100
+
+
+def test_mnist1d_models_have_the_paper_parameter_counts():
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert count(MNIST1DCNN()) == 5210  # ConvBase: 25 channels, linear 125 -> 10
+    assert count(MNIST1DMLP()) == 15210  # MLPBase: hidden 100
+    assert MNIST1DCNN()(torch.randn(3, 40)).shape == (3, 10)
+
+
 def test_batches_depend_only_on_the_seed():
-    task = digits_task()
+    task = mnist1d_mlp_task()
     assert torch.equal(task.batch_indices(30, 1), task.batch_indices(30, 1))
     assert not torch.equal(task.batch_indices(30, 1), task.batch_indices(30, 2))
     epoch = task.batch_indices(task.train_x.shape[0] // task.batch_size, 0).flatten()
@@ -28,22 +55,51 @@ def test_lm_corpus_ships_with_python():
     assert ids.tolist() == [VOCAB.index("a"), VOCAB.index("b"), 0, len(VOCAB)]
     task = lm_task()
     assert torch.equal(task.train_x[:, 1:], task.train_y[:, :-1])
-    assert set(TASKS) == {"digits", "lm"}
+    assert {"mnist1d_mlp", "mnist1d_cnn", "lm"} <= set(TASKS)
 
 
-def test_runs_are_deterministic():
-    task = digits_task()
-    spec = RunSpec("digits", OptimizerChoice("singd", "diagonal"), "fp32", 0, 4, 0.05)
-    first, second = train(task, spec, CPU), train(task, spec, CPU)
+def test_runs_are_deterministic_and_record_accuracy_and_time():
+    task = mnist1d_mlp_task()
+    s = spec(OptimizerChoice("singd", "diagonal"), lr=0.05, lr_cov=0.1)
+    first, second = train(task, s, CPU), train(task, s, CPU)
     assert first.stable and first.train_loss == second.train_loss
     assert first.eval_loss == second.eval_loss
+    assert first.eval_steps == [0, 1, 2, 3, 4]
+    assert all(0.0 <= a <= 1.0 for a in first.eval_accuracy)
+    assert first.eval_seconds[0] == 0.0 and first.eval_seconds == sorted(first.eval_seconds)
+
+
+def test_evaluations_are_spaced_over_the_run():
+    r = train(mnist1d_mlp_task(), spec(OptimizerChoice("adamw"), "fp32", "-", 40, lr=1e-3), CPU)
+    assert len(r.eval_steps) == EVALUATIONS + 1 and r.eval_steps[-1] == 40
+
+
+def test_reach_returns_the_first_evaluation_at_or_below_the_target():
+    r = train(mnist1d_mlp_task(), spec(OptimizerChoice("adamw"), "fp32", "-", 6, lr=1e-2), CPU)
+    start = r.eval_loss[0]
+    assert r.reach(start) == (0, 0.0)
+    assert r.reach(-1.0) is None
+    best = min(r.eval_loss)
+    step, seconds = r.reach(best)
+    assert r.eval_loss[r.eval_steps.index(step)] == best and seconds > 0
 
 
 def test_divergent_run_stops_early_and_reports():
-    spec = RunSpec("digits", OptimizerChoice("adamw"), "bf16-pure", 0, 50, 1e30)
-    result = train(digits_task(), spec, CPU)
+    s = spec(OptimizerChoice("adamw"), "bf16-pure", "-", 50, lr=1e30)
+    result = train(mnist1d_mlp_task(), s, CPU)
     assert not result.stable and result.status.startswith(("nan@", "error@"))
     assert result.first_nonfinite_step < 50
     assert len(result.step_ms) <= result.first_nonfinite_step
-    assert result.final_loss is None
+    assert result.final_loss is None and result.final_accuracy is None
     assert result.best_loss is not None and math.isfinite(result.best_loss)
+
+
+def test_factor_dtype_and_stochastic_rounding_reach_the_optimizer():
+    task = mnist1d_mlp_task()
+    s = spec(OptimizerChoice("singd", "diagonal"), "bf16-pure-sr", "fp32", 2, lr=0.01, lr_cov=0.1)
+    r = train(task, s, CPU)
+    assert r.stable
+    choice = OptimizerChoice("singd", "diagonal")
+    bf16 = train(task, spec(choice, "fp32", "bf16", 2, lr=0.01, lr_cov=0.1), CPU)
+    fp32 = train(task, spec(choice, "fp32", "fp32", 2, lr=0.01, lr_cov=0.1), CPU)
+    assert bf16.stable and bf16.state_bytes < fp32.state_bytes

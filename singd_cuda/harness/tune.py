@@ -1,0 +1,127 @@
+"""``singd-harness tune``: a log-grid sweep of each optimizer's learning rate (and SINGD's
+and IKFAC's lr_cov) in fp32 on each task, the same number of trials per optimizer
+(:attr:`OptimizerEntry.tune_grid`), scored by the final held-out loss averaged over the
+tuning seeds (a failed seed scores +inf). The chosen values are used in every precision.
+
+``--record`` writes them into :mod:`singd_cuda.harness.tuned` with the command, so the
+default run uses them without re-tuning.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pprint
+import statistics
+from datetime import datetime
+from pathlib import Path
+
+from . import tuned
+from .optimizers import OPTIMIZERS, OptimizerChoice
+from .report import markdown_table
+from .runner import RunResult, RunSpec
+
+TUNED_MODULE = Path(tuned.__file__)
+
+
+def hparams_for(task: str, choice: OptimizerChoice) -> tuple[dict[str, float], str]:
+    """(tuned values, where they come from) for ``choice`` on ``task``: the recorded
+    values of this label, else of another label of the same optimizer (e.g. another
+    SINGD structure), else the middle of its tuning grid."""
+    table = tuned.TUNED.get(task, {})
+    if choice.label in table:
+        return dict(table[choice.label]), "tuned"
+    for label, values in table.items():
+        if OptimizerChoice(*label.split(":", 1)).name == choice.name:
+            return dict(values), f"tuned for {label}"
+    grid = OPTIMIZERS[choice.name].tune_grid
+    return dict(grid[len(grid) // 2]), "untuned (middle of the grid)"
+
+
+def trial_specs(
+    tasks: list[str], choices: list[OptimizerChoice], steps: dict[str, int], seeds: list[int]
+) -> list[RunSpec]:
+    """Every trial of the sweep: fp32 model and factors, each grid point, each seed."""
+    return [
+        RunSpec(
+            task,
+            choice,
+            "fp32",
+            "fp32" if choice.has_factors else "-",
+            seed,
+            steps[task],
+            tuple(sorted(point.items())),
+        )
+        for task in tasks
+        for choice in choices
+        for point in OPTIMIZERS[choice.name].tune_grid
+        for seed in seeds
+    ]
+
+
+def score(runs: list[RunResult]) -> float:
+    """Mean final held-out loss over the seeds; +inf when any seed failed."""
+    finals = [r.final_loss for r in runs]
+    return math.inf if None in finals else statistics.fmean(finals)
+
+
+def choose(results: list[RunResult]) -> tuple[dict, list[dict]]:
+    """({task: {label: best hparams}}, sweep rows) from the trials' results."""
+    groups: dict[tuple, list[RunResult]] = {}
+    for r in results:
+        groups.setdefault((r.spec.task, r.spec.optimizer.label, r.spec.hparams), []).append(r)
+    rows, best = [], {}
+    for (task, label, hparams), runs in groups.items():
+        value = score(runs)
+        rows.append({"task": task, "label": label, **dict(hparams), "score": value})
+        current = best.get((task, label))
+        if current is None or value < current[0]:
+            best[(task, label)] = (value, dict(hparams))
+    chosen: dict[str, dict] = {}
+    for (task, label), (_, hparams) in best.items():
+        chosen.setdefault(task, {})[label] = hparams
+    return chosen, rows
+
+
+def sweep_markdown(rows: list[dict], chosen: dict) -> str:
+    """The sweep table: one row per trial, the chosen one marked."""
+    body = []
+    for row in rows:
+        hp = {k: v for k, v in row.items() if k not in ("task", "label", "score")}
+        mark = "**chosen**" if chosen[row["task"]][row["label"]] == hp else ""
+        value = "failed" if math.isinf(row["score"]) else f"{row['score']:.4f}"
+        cov = f"{hp['lr_cov']:g}" if "lr_cov" in hp else "—"
+        body.append([row["task"], row["label"], f"{hp['lr']:g}", cov, value, mark])
+    headers = ["task", "optimizer", "lr", "lr_cov", "final held-out loss (fp32)", ""]
+    return markdown_table(headers, body)
+
+
+def write_outputs(out: Path, chosen: dict, rows: list[dict], meta: dict) -> None:
+    """``tuned.json`` (chosen values, sweep rows, metadata) and ``sweep.md``."""
+    payload = {**meta, "chosen": chosen, "sweep": rows}
+    text = json.dumps(payload, indent=1).replace("Infinity", "null")
+    (out / "tuned.json").write_text(text)
+    (out / "sweep.md").write_text(
+        f"# Learning-rate sweep\n\nCommand: `{meta['command']}`\n\n{sweep_markdown(rows, chosen)}\n"
+    )
+
+
+def record(chosen: dict, meta: dict, path: Path = TUNED_MODULE) -> None:
+    """Rewrite :mod:`singd_cuda.harness.tuned` with ``chosen``, merged over the values
+    already recorded for other tasks and optimizers."""
+    merged = {task: dict(values) for task, values in tuned.TUNED.items()}
+    for task, values in chosen.items():
+        merged.setdefault(task, {}).update(values)
+    path.write_text(
+        '"""Tuned hyperparameters of the harness, written by ``singd-harness tune --record``.\n\n'
+        "The default run uses these values in every precision; re-tune with ``--tune``.\n"
+        '"""\n\n'
+        f"COMMAND = {meta['command']!r}  # noqa: E501\n"
+        f"CREATED = {meta['created']!r}\n"
+        f"STEPS: dict[str, int] = {pprint.pformat(meta['steps'])}\n"
+        f"TUNED: dict[str, dict[str, dict[str, float]]] = {pprint.pformat(merged, width=90)}\n"
+    )
+
+
+def now() -> str:
+    return datetime.now().isoformat(timespec="seconds")
