@@ -41,12 +41,14 @@ from ..curvature.layers import (
     gradient_matrix,
     input_matrix,
     input_sum_squares,
+    is_supported,
 )
 from ..distributed import comm as dist_comm
 from ..distributed import norm_fisher, recipe
 from ..distributed.ownership import layer_cost
 from ..distributed.synchronizer import DEFAULT_BUCKET_CAP_MB, Synchronizer
 from ..structures.base import accumulation_dtype, upcast
+from . import summary
 from .fallback import adamw_update_
 
 Schedule = float | Callable[[int], float]
@@ -313,7 +315,7 @@ class KroneckerOptimizer(Optimizer):
         bypassed = bypassed_modules(model)
         layers = []
         for name, module in model.named_modules():
-            if not isinstance(module, SUPPORTED_LAYERS) or id(module.weight) not in trained:
+            if not is_supported(module) or id(module.weight) not in trained:
                 continue
             if id(module) in bypassed:  # its forward never runs: the fallback trains it
                 continue
@@ -341,6 +343,16 @@ class KroneckerOptimizer(Optimizer):
     def layers(self) -> list[Layer]:
         """The preconditioned layers, in model order."""
         return list(self._layers)
+
+    def preconditioned(self) -> dict[str, tuple[str, str]]:
+        """{qualified module name: (K side structure, C side structure)} of every
+        preconditioned layer (:mod:`singd_cuda.optim.summary`)."""
+        return summary.preconditioned(self)
+
+    def summary(self) -> str:
+        """A printable table of the preconditioned layers, their structures and state
+        bytes, and the fraction of parameters that get curvature."""
+        return summary.summary(self)
 
     def group_of(self, layer: Layer) -> dict:
         return self.param_groups[self._layer_group[layer]]
