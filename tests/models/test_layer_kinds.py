@@ -142,3 +142,44 @@ def test_register_layer_kind_checks_its_arguments():
 def test_hf_conv1d_recognised_without_registration():
     transformers = pytest.importorskip("transformers")
     assert isinstance(layer_kind(transformers.pytorch_utils.Conv1D(4, 3)), TransposedLinearKind)
+
+
+class ScaledLinear(nn.Module):
+    """The README's example of a registered kind: y = x Wᵀ · 0.5."""
+
+    def __init__(self, d_in, d_out):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d_out, d_in) / d_in**0.5)
+        self.bias = None
+
+    def forward(self, x):
+        return 0.5 * (x @ self.weight.T)
+
+
+class ScaledLinearKind(LayerKind):
+    def inputs(self, module, x):
+        return 0.5 * x.reshape(-1, x.shape[-1])
+
+
+def test_readme_kind_reproduces_the_weight_gradient():
+    """G = gᵀa with the kind's a and g (loss_average=None: no scalings but 1/√N)."""
+    from singd_cuda.curvature.layers import Layer, grad_output_matrix, input_matrix
+
+    register_layer_kind(ScaledLinear, ScaledLinearKind())
+    try:
+        module = ScaledLinear(5, 3).double()
+        x = torch.randn(4, 2, 5, dtype=torch.float64)
+        out = module(x)
+        out.retain_grad()
+        (out * torch.randn_like(out)).sum().backward()
+        layer = Layer("scaled", module, module.weight, None)
+        a = input_matrix(layer, x, torch.float64) * (x.numel() // 5) ** 0.5
+        g = grad_output_matrix(layer, out.grad, None, torch.float64)
+        torch.testing.assert_close(g.T @ a, module.weight.grad, rtol=1e-12, atol=1e-12)
+        opt = SINGD(nn.Sequential(module), lr=0.1, T=1)
+        assert opt.preconditioned() == {"0": ("dense", "dense")}
+    finally:
+        from singd_cuda.curvature import layers
+
+        layers._KINDS.pop(ScaledLinear)
+        layers._resolved.clear()
