@@ -25,6 +25,16 @@ that updates no factors when T > 1, else an update step. State bytes: every tens
 optimizer holds; ours also keeps K Kᵀ and C Cᵀ between factor updates where that pays off
 (derived, not state), counted under "cache KiB".
 
+*products*: for dense, block-diagonal and hierarchical SINGD, the time of the matrix products
+its math requires per step, amortized over T like the steps, timed in the same rounds with
+``torch.mm``/``torch.bmm`` on each layer's shapes (d_K = inputs + 1, d_C = outputs, N rows
+of a and g): every step G (K Kᵀ) and (C Cᵀ)(.) with the cached K Kᵀ, C Cᵀ; every update,
+per side with factor K (d x d) and statistic a (N x d), a K, Π̂((a K)ᵀ(a K)), Π̂(Kᵀ K),
+K m and K Kᵀ. Block-diagonal: the same on the b x b blocks (``bmm``, plus the smaller last
+block). Hierarchical (k1, k2): only the dense border rows of the factor, X[:, :k1] @ (k1 x d)
+and X[:, -k2:] @ (k2 x d) per product with K, and the (k1 + k2) x N x d Gram rows: a lower
+bound. ours / products is the optimizer's remaining overhead over that bound.
+
     python benchmarks/vs_peers.py --out benchmarks/results/vs_peers.md
     python benchmarks/vs_peers.py --quick  # a small grid, a few steps
     python benchmarks/vs_peers.py --models mlp --structures diagonal adafisher --T 10
@@ -36,6 +46,7 @@ import argparse
 import contextlib
 import copy
 import datetime
+import math
 import os
 import platform
 import random
@@ -231,6 +242,105 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
     return tensor_bytes(dict(opt.state), *peer)
 
 
+def layer_shapes(kind: str) -> list[tuple[int, int, int]]:
+    """(d_K, d_C, N) of every Linear / Conv2d of the model on its batches."""
+    model, batches = make_model(kind)
+    shapes = []
+
+    def hook(module, inputs, output):
+        if isinstance(module, nn.Conv2d):
+            d_in = module.in_channels // module.groups * math.prod(module.kernel_size)
+            rows = output.shape[0] * output.shape[2:].numel()
+        else:
+            d_in, rows = module.in_features, output.numel() // output.shape[-1]
+        shapes.append((d_in + (module.bias is not None), module.weight.shape[0], rows))
+
+    handles = [
+        m.register_forward_hook(hook)
+        for m in model.modules()
+        if isinstance(m, nn.Linear | nn.Conv2d)
+    ]
+    with torch.no_grad():
+        model(batches(0)[0])
+    for handle in handles:
+        handle.remove()
+    return shapes
+
+
+class Products:
+    """The matrix products one structure's SINGD math needs on a model (see the module
+    docstring): :meth:`step` runs those of a step without and with a factor update."""
+
+    def __init__(self, kind: str, structure: str, T: int) -> None:
+        self.period = T
+        self.step_products: list[Callable[[], object]] = []
+        self.update_products: list[Callable[[], object]] = []
+        for d_K, d_C, rows in layer_shapes(kind):
+            G = torch.randn(d_C, d_K)
+            self.step_products += [self._times(structure, G, d_K), self._times(structure, G.T, d_C)]
+            for d in (d_K, d_C):
+                a = torch.randn(rows, d)
+                square = torch.randn(d, d)
+                self.update_products += [
+                    self._times(structure, a, d),  # a K
+                    self._gram(structure, a),  # Π̂((aK)ᵀ(aK))
+                    self._gram(structure, square),  # Π̂(KᵀK)
+                    self._times(structure, square, d),  # K m
+                    self._times(structure, square, d),  # K Kᵀ
+                ]
+        self.t = 0
+        self.times: list[float] = []
+        self.updates: list[bool] = []
+
+    @staticmethod
+    def _times(structure: str, X, d: int) -> Callable[[], object]:
+        """X @ K for a factor K of dimension d in ``structure``."""
+        X = X.contiguous()
+        if structure == "dense":
+            K = torch.randn(d, d)
+            return lambda: torch.mm(X, K)
+        if structure == "block_diagonal":
+            b = int(OURS_SPEC[structure].split(":")[1])
+            n = d // b
+            Xb = X[:, : n * b].reshape(-1, n, b).transpose(0, 1).contiguous()
+            blocks, last = torch.randn(n, b, b), torch.randn(d - n * b, d - n * b)
+            X_last = X[:, n * b :].contiguous()
+            return lambda: (torch.bmm(Xb, blocks), torch.mm(X_last, last))
+        k1, k2 = (int(k) for k in OURS_SPEC[structure].split(":")[1].split(","))
+        top, bottom = torch.randn(k1, d), torch.randn(k2, d)
+        X1, X2 = X[:, :k1].contiguous(), X[:, -k2:].contiguous()
+        return lambda: (torch.mm(X1, top), torch.mm(X2, bottom))
+
+    @staticmethod
+    def _gram(structure: str, Y) -> Callable[[], object]:
+        """The products of Π̂(YᵀY) in ``structure``."""
+        if structure == "dense":
+            return lambda: torch.mm(Y.T, Y)
+        if structure == "block_diagonal":
+            b = int(OURS_SPEC[structure].split(":")[1])
+            d = Y.shape[1]
+            n = d // b
+            Yb = Y[:, : n * b].reshape(-1, n, b).transpose(0, 1).contiguous()
+            Y_last = Y[:, n * b :].contiguous()
+            return lambda: (torch.bmm(Yb.transpose(1, 2), Yb), torch.mm(Y_last.T, Y_last))
+        k1, k2 = (int(k) for k in OURS_SPEC[structure].split(":")[1].split(","))
+        border = torch.cat([Y[:, :k1], Y[:, -k2:]], dim=1).T.contiguous()
+        return lambda: torch.mm(border, Y)
+
+    def step(self, timed: bool) -> None:
+        update = self.t % self.period == 0
+        start = time.perf_counter()
+        for product in self.step_products + (self.update_products if update else []):
+            product()
+        if timed:
+            self.times.append(time.perf_counter() - start)
+            self.updates.append(update)
+        self.t += 1
+
+
+PRODUCT_STRUCTURES = ("dense", "block_diagonal", "hierarchical")
+
+
 def build_runners(kind: str, structures: list[str], T: int, autocast, competitors: list[str]):
     from singd_cuda import SINGD
 
@@ -282,11 +392,13 @@ def build_runners(kind: str, structures: list[str], T: int, autocast, competitor
 def run_block(kind, dtype_name, T, structures, competitors, steps, warmup) -> list[dict]:
     runners = build_runners(kind, structures, T, DTYPES[dtype_name], competitors)
     plain, runners = runners[0], runners[1:]
+    products = {s: Products(kind, s, T) for s in structures if s in PRODUCT_STRUCTURES}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         order = random.Random(0)
+        timed = [plain, *runners, *products.values()]
         for i in range(warmup + steps):
-            for r in order.sample([plain, *runners], len(runners) + 1):
+            for r in order.sample(timed, len(timed)):
                 plain.step(timed=False)  # settles what the previous competitor left behind
                 r.step(timed=i >= warmup)
         rows = []
@@ -308,6 +420,11 @@ def run_block(kind, dtype_name, T, structures, competitors, steps, warmup) -> li
                     alloc_count=count,
                     alloc_bytes=size,
                     error=r.error,
+                    products_ms=(
+                        amortized_ms(products[r.structure].times, products[r.structure].updates, T)
+                        if r.structure in products
+                        else float("nan")
+                    ),
                 )
             )
     base = {row["name"]: row["overhead_ms"] for row in rows if row["structure"] == "-"}
@@ -391,10 +508,10 @@ def report(rows: list[dict], args, elapsed: float) -> str:
         "it). Ratios: *stats + step* against the baselines of the same block. Alloc: ops "
         "that allocate (count) and bytes allocated in one steady-state optimizer.step().",
         "",
-        "| model | dtype | T | structure | optimizer | total | stats + step | step | "
+        "| model | dtype | T | structure | optimizer | total | stats + step | step | products | "
         "/ singd 0.0.5 | / AdamW foreach | / AdamW fused | state KiB | cache KiB | alloc n "
         "| alloc KiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     plain = {}
     for row in rows:
@@ -403,11 +520,12 @@ def report(rows: list[dict], args, elapsed: float) -> str:
         head = "| " + " | ".join(str(row[k]) for k in ("model", "dtype", "T", "structure", "name"))
         head += " | "
         if row["error"]:
-            lines.append(f"{head}error: {row['error']} |" + " |" * 9)
+            lines.append(f"{head}error: {row['error']} |" + " |" * 10)
             continue
         lines.append(
             f"{head}{fmt(row['median_ms'])} | {fmt(row['overhead_ms'])} | {fmt(row['step_ms'])} | "
-            f"{fmt(row['vs_peer'])} | {fmt(row['vs_foreach'])} | {fmt(row['vs_fused'])} | "
+            f"{fmt(row['products_ms'])} | {fmt(row['vs_peer'])} | {fmt(row['vs_foreach'])} | "
+            f"{fmt(row['vs_fused'])} | "
             f"{row['state_bytes'] / 1024:.0f} | {row['cache_bytes'] / 1024:.0f} | "
             f"{row['alloc_count']} | {row['alloc_bytes'] / 1024:.1f} |"
         )

@@ -1,5 +1,6 @@
 """benchmarks/vs_peers.py: a tiny grid runs end to end and reports what the optimizer adds
-over the plain model's forward + backward, with ratios and target verdicts."""
+over the plain model's forward + backward, with ratios and target verdicts. Mechanics only:
+no assertion reads a number derived from a timing (those are noise on a busy machine)."""
 
 from __future__ import annotations
 
@@ -29,17 +30,27 @@ def test_small_grid_writes_the_table(vs_peers, tmp_path):
     assert vs_peers.main(argv) == 0
     text = out.read_text()
     assert "Plain model forward + backward" in text
-    rows = [line for line in text.splitlines() if line.startswith("| mlp | float32 | 10 |")]
-    assert {line.split(" | ")[4] for line in rows} == {
+    lines = text.splitlines()
+    header = next(line for line in lines if line.startswith("| model |"))
+    columns = [cell.strip() for cell in header.strip("|").split("|")]
+    rows = [
+        dict(zip(columns, (cell.strip() for cell in line.strip("|").split("|")), strict=True))
+        for line in lines
+        if line.startswith("| mlp | float32 | 10 |")
+    ]
+    assert {row["optimizer"] for row in rows} == {
         "ours",
         "ours-ref",
         "singd-0.0.5",
         "adamw-foreach",
         "adamw-fused",
     }
-    assert not any("error" in line for line in rows)
-    dense = next(line for line in rows if "| dense | ours |" in line)
-    assert float(dense.split(" | ")[10]) > 0  # K Kᵀ and C Cᵀ are cached at T = 10
+    assert not any("error" in cell for row in rows for cell in row.values())
+    dense = next(row for row in rows if row["structure"] == "dense" and row["optimizer"] == "ours")
+    assert float(dense["cache KiB"]) > 0  # K Kᵀ and C Cᵀ are cached at T = 10
+    # the required matrix products are timed for the structures that have them
+    diagonal = next(r for r in rows if r["structure"] == "diagonal" and r["optimizer"] == "ours")
+    assert dense["products"] != "-" and diagonal["products"] == "-"
     verdicts = [line for line in text.splitlines() if line.startswith("- ")]
     assert any("ours/singd (stats + step)" in line for line in verdicts)
     assert any("ours/AdamW-foreach (stats + step)" in line for line in verdicts)

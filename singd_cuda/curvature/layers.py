@@ -1,10 +1,17 @@
-"""Per-layer-type rules: how a supported layer's input, output gradient and
-parameter gradient become the matrices a (N x d_K), g (N x d_C) and G (d_C x d_K).
+"""Layer kinds: how a supported module's input, output gradient and parameter gradient
+become the matrices a (N x d_K), g (N x d_C) and G (d_C x d_K).
 
-Supported layers: ``nn.Linear`` (any leading dims, flattened into N) and
-``nn.Conv2d`` (groups, stride, dilation, every padding and padding mode; the
-input is unfolded into patches, averaged over channel groups). With a bias, a
-column of ones is appended to a and the bias gradient to G.
+Built-in kinds: ``nn.Linear`` (any leading dims, flattened into N), ``nn.Conv2d``
+(groups, stride, dilation, every padding and padding mode; the input is unfolded into
+patches, averaged over channel groups) and Hugging Face ``transformers.pytorch_utils.Conv1D``
+(a Linear whose weight is stored transposed, d_in x d_out; recognised by its class path,
+so ``transformers`` is never imported here). With a bias, a column of ones is appended
+to a and the bias gradient to G.
+
+Other Linear-like modules plug in through :func:`register_layer_kind`: a
+:class:`LayerKind` says how the module's weight is a (d_C, d_K') matrix and which rows
+of its input and output gradient pair with it; the module needs ``weight`` and ``bias``
+(None allowed) attributes and must return its output as a tensor.
 """
 
 from __future__ import annotations
@@ -16,8 +23,194 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-SUPPORTED_LAYERS = (nn.Linear, nn.Conv2d)
+SUPPORTED_LAYERS = (nn.Linear, nn.Conv2d)  # the built-in classes; see is_supported
 LOSS_AVERAGES = ("batch", "batch+sequence", None)
+
+
+class LayerKind:
+    """How one type of module becomes a Kronecker-factored layer; subclass it and pass an
+    instance to :func:`register_layer_kind`.
+
+    The module computes y = W a for every row a of :meth:`inputs` (plus its bias), W the
+    (d_C, d_K') matrix :meth:`weight_matrix` of its weight; d_K' excludes the bias column.
+    The defaults describe ``nn.Linear``: the weight is (d_out, ...) and inputs and output
+    gradients have their features last. A new kind overrides what differs; the sums of
+    squares have defaults built on :meth:`inputs` and :meth:`output_gradients` and are
+    overridden only to avoid materialising them.
+    """
+
+    def out_features(self, weight: Tensor) -> int:
+        """d_C, the rows of :meth:`weight_matrix`, from the weight's shape."""
+        return weight.shape[0]
+
+    def weight_matrix(self, weight: Tensor) -> Tensor:
+        """The weight (or a tensor shaped like it: its gradient, a buffer) as the
+        (d_C, d_K') matrix W, a view where the layout allows."""
+        return weight.reshape(weight.shape[0], -1)
+
+    def weight_from_matrix(self, matrix: Tensor, weight: Tensor) -> Tensor:
+        """Inverse of :meth:`weight_matrix`: a (d_C, d_K') matrix shaped like ``weight``."""
+        return matrix.reshape(weight.shape)
+
+    def inputs(self, module: nn.Module, x: Tensor) -> Tensor:
+        """a: (N, d_K'), the rows of the layer input ``x`` that W multiplies (x's dtype)."""
+        return x.reshape(-1, x.shape[-1])
+
+    def output_gradients(self, module: nn.Module, grad: Tensor) -> Tensor:
+        """g: (N, d_C), the output gradient rows, paired with the rows of :meth:`inputs`."""
+        return grad.reshape(-1, grad.shape[-1])
+
+    def output_terms(self, module: nn.Module, grad: Tensor) -> tuple[int, int]:
+        """(batch size, N) of an output gradient: samples, and rows of g (samples times
+        positions, e.g. tokens); from the shape only."""
+        leading = grad.shape[:-1]
+        return (leading[0] if len(leading) else 1), leading.numel()
+
+    def input_sum_squares(self, module: nn.Module, x: Tensor) -> tuple[Tensor, int]:
+        """(diag(aᵀa) (d_K'), N) for a = :meth:`inputs`: float32 (float64 for float64)."""
+        from ..ops import col_sum_squares
+
+        a = self.inputs(module, x)
+        return col_sum_squares(a, -1), a.shape[0]
+
+    def output_sum_squares(self, module: nn.Module, grad: Tensor) -> Tensor:
+        """diag(gᵀg) (d_C) for g = :meth:`output_gradients`, dtype as above."""
+        from ..ops import col_sum_squares
+
+        return col_sum_squares(self.output_gradients(module, grad), -1)
+
+
+class LinearKind(LayerKind):
+    """``nn.Linear``: statistics straight from the input and output gradient."""
+
+    def input_sum_squares(self, module: nn.Module, x: Tensor) -> tuple[Tensor, int]:
+        from ..ops import col_sum_squares
+
+        return col_sum_squares(x, -1), x.numel() // max(x.shape[-1], 1)
+
+    def output_sum_squares(self, module: nn.Module, grad: Tensor) -> Tensor:
+        from ..ops import col_sum_squares
+
+        return col_sum_squares(grad, -1)
+
+
+class TransposedLinearKind(LinearKind):
+    """A Linear whose weight is stored (d_in, d_out), y = x W + b (Hugging Face
+    ``Conv1D``): W is the transposed view of the weight."""
+
+    def out_features(self, weight: Tensor) -> int:
+        return weight.shape[-1]
+
+    def weight_matrix(self, weight: Tensor) -> Tensor:
+        return weight.reshape(-1, weight.shape[-1]).T
+
+    def weight_from_matrix(self, matrix: Tensor, weight: Tensor) -> Tensor:
+        return matrix.T.reshape(weight.shape)
+
+
+class Conv2dKind(LayerKind):
+    """``nn.Conv2d``: unfolded patches, one row per (sample, output position)."""
+
+    def inputs(self, module: nn.Module, x: Tensor) -> Tensor:
+        x, padding = _padded(module, _batched(x))
+        if module.groups > 1:
+            batch, channels = x.shape[:2]
+            x = x.reshape(batch, module.groups, channels // module.groups, *x.shape[2:]).mean(1)
+        patches = F.unfold(
+            x, module.kernel_size, dilation=module.dilation, padding=padding, stride=module.stride
+        )
+        return patches.transpose(1, 2).flatten(0, 1)
+
+    def output_gradients(self, module: nn.Module, grad: Tensor) -> Tensor:
+        grad = _batched(grad)
+        return grad.permute(0, 2, 3, 1).reshape(-1, grad.shape[1])
+
+    def output_terms(self, module: nn.Module, grad: Tensor) -> tuple[int, int]:
+        grad = _batched(grad)
+        return grad.shape[0], grad.shape[0] * grad.shape[2:].numel()
+
+    def input_sum_squares(self, module: nn.Module, x: Tensor) -> tuple[Tensor, int]:
+        """Without unfolding the patches (:func:`singd_cuda.ops.conv2d_patch_sum_squares`)."""
+        from ..ops import conv2d_patch_sum_squares
+
+        x, padding = _padded(module, _batched(x))
+        rows = x.shape[0] * _conv_positions(module, x.shape[-2:], padding)
+        h = conv2d_patch_sum_squares(
+            x, module.kernel_size, module.stride, padding, module.dilation, module.groups
+        )
+        return h, rows
+
+    def output_sum_squares(self, module: nn.Module, grad: Tensor) -> Tensor:
+        from ..ops import col_sum_squares
+
+        return col_sum_squares(_batched(grad), 1)
+
+
+def _batched(x: Tensor) -> Tensor:
+    """A conv input or output gradient with its batch dimension (unbatched: batch 1)."""
+    return x if x.dim() == 4 else x.unsqueeze(0)
+
+
+def _padded(module: nn.Conv2d, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
+    """(x, padding left to unfold): padded as the layer's own forward pads it where that
+    is not plain symmetric zero padding ('same' may be asymmetric)."""
+    padding = module.padding
+    if module.padding_mode != "zeros" or isinstance(padding, str):
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        return F.pad(x, module._reversed_padding_repeated_twice, mode=mode), (0, 0)
+    return x, padding
+
+
+def _conv_positions(module: nn.Conv2d, size, padding) -> int:
+    out = 1
+    dims = zip(size, module.kernel_size, module.stride, padding, module.dilation, strict=True)
+    for n, k, s, p, d in dims:
+        out *= max((n + 2 * p - d * (k - 1) - 1) // s + 1, 0)
+    return out
+
+
+_KINDS: dict[type, LayerKind] = {nn.Linear: LinearKind(), nn.Conv2d: Conv2dKind()}
+# kinds of classes from optional packages, by "module.qualname": matched without importing
+_KINDS_BY_PATH: dict[str, LayerKind] = {
+    "transformers.pytorch_utils.Conv1D": TransposedLinearKind(),
+}
+_resolved: dict[type, LayerKind | None] = {}  # lookups by class, cleared on registration
+
+
+def register_layer_kind(module_class: type[nn.Module], kind: LayerKind) -> None:
+    """Precondition every module of ``module_class`` (and its subclasses) as ``kind``.
+
+    Call it before creating the optimizer. A registration for a class overrides the
+    kind of its base classes (and a built-in one for the class itself).
+    """
+    if not (isinstance(module_class, type) and issubclass(module_class, nn.Module)):
+        raise TypeError(f"module_class must be an nn.Module subclass, got {module_class!r}")
+    if not isinstance(kind, LayerKind):
+        raise TypeError(f"kind must be a LayerKind instance, got {kind!r}")
+    _KINDS[module_class] = kind
+    _resolved.clear()
+
+
+def layer_kind(module: nn.Module) -> LayerKind | None:
+    """The kind of ``module`` (the registration nearest in its class's MRO), or None."""
+    cls = type(module)
+    if cls not in _resolved:
+        _resolved[cls] = next(
+            (kind for base in cls.__mro__ if (kind := _registered(base)) is not None), None
+        )
+    return _resolved[cls]
+
+
+def _registered(cls: type) -> LayerKind | None:
+    kind = _KINDS.get(cls)
+    if kind is None:
+        kind = _KINDS_BY_PATH.get(f"{cls.__module__}.{cls.__qualname__}")
+    return kind
+
+
+def is_supported(module: nn.Module) -> bool:
+    """Whether ``module`` is a layer kind the optimizers precondition."""
+    return layer_kind(module) is not None
 
 
 @dataclass(eq=False)
@@ -39,14 +232,18 @@ class Layer:
             self.modules = (self.module,)
 
     @property
+    def kind(self) -> LayerKind:
+        return layer_kind(self.module)
+
+    @property
     def dim_in(self) -> int:
-        """d_K: flattened weight columns, plus one for a trained bias."""
-        return self.weight[0].numel() + (self.bias is not None)
+        """d_K: weight-matrix columns, plus one for a trained bias."""
+        return self.weight.numel() // max(self.dim_out, 1) + (self.bias is not None)
 
     @property
     def dim_out(self) -> int:
-        """d_C: output features / channels."""
-        return self.weight.shape[0]
+        """d_C: output features / channels (rows of the weight matrix)."""
+        return self.kind.out_features(self.weight)
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -65,125 +262,51 @@ def bypassed_modules(model: nn.Module) -> set[int]:
     return {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
 
 
-def _conv_patches(module: nn.Conv2d, x: Tensor) -> Tensor:
-    """Unfolded patches (B * O1 * O2, C_in/groups * k1 * k2), averaged over groups."""
-    padding = module.padding
-    if module.padding_mode != "zeros" or isinstance(padding, str):
-        # pad as the layer's own forward does ('same' may be asymmetric)
-        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-        x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
-        padding = (0, 0)
-    if module.groups > 1:
-        batch, channels = x.shape[:2]
-        x = x.reshape(batch, module.groups, channels // module.groups, *x.shape[2:]).mean(1)
-    patches = F.unfold(
-        x, module.kernel_size, dilation=module.dilation, padding=padding, stride=module.stride
-    )
-    return patches.transpose(1, 2).flatten(0, 1)
-
-
 def input_matrix(layer: Layer, x: Tensor, dtype: torch.dtype) -> Tensor:
     """a: (N, d_K) in ``dtype``, the layer input with ones for the bias, scaled by 1/√N."""
-    x = x.detach().to(dtype)
-    if isinstance(layer.module, nn.Conv2d):
-        a = _conv_patches(layer.module, x if x.dim() == 4 else x.unsqueeze(0))
-    else:
-        a = x.reshape(-1, x.shape[-1])
+    a = layer.kind.inputs(layer.module, x.detach().to(dtype))
     if layer.bias is not None:
         a = torch.cat([a, a.new_ones(a.shape[0], 1)], dim=1)
     return a / math.sqrt(max(a.shape[0], 1))
 
 
 def loss_terms(layer: Layer, output: Tensor, loss_average: str | None) -> int:
-    """The loss terms one call's output (or output gradient) covers: its batch size, times
-    its positions for "batch+sequence" (an unbatched input is a batch of one)."""
-    shape = output.shape
-    if isinstance(layer.module, nn.Conv2d):
-        batch = shape[0] if len(shape) == 4 else 1
-        return batch * (shape[-2:].numel() if loss_average == "batch+sequence" else 1)
-    leading = shape[:-1]
-    if loss_average == "batch+sequence":
-        return leading.numel()
-    return leading[0] if len(leading) else 1
-
-
-def _batched_grad(layer: Layer, grad: Tensor, loss_average: str | None) -> tuple[Tensor, int]:
-    """(grad with a batch dimension for conv layers, L): L the number of loss terms the
-    loss averages over (batch, or batch times positions for "batch+sequence")."""
-    if isinstance(layer.module, nn.Conv2d):
-        if grad.dim() == 3:
-            grad = grad.unsqueeze(0)
-        positions = grad.shape[2:].numel() if loss_average == "batch+sequence" else 1
-        return grad, grad.shape[0] * positions
-    leading = grad.shape[:-1]
-    if loss_average == "batch+sequence":
-        return grad, leading.numel()
-    return grad, leading[0] if len(leading) else 1
+    """L: the loss terms one call's output (or output gradient) covers: its batch size,
+    or batch times positions for "batch+sequence" (an unbatched input is a batch of one);
+    from the shape only."""
+    batch, rows = layer.kind.output_terms(layer.module, output)
+    return rows if loss_average == "batch+sequence" else batch
 
 
 def grad_output_matrix(layer: Layer, grad: Tensor, loss_average: str | None, dtype) -> Tensor:
     """g: (N, d_C) in ``dtype``, the output gradient scaled by √L (L loss terms)."""
-    grad, num_terms = _batched_grad(layer, grad.detach().to(dtype), loss_average)
-    if isinstance(layer.module, nn.Conv2d):
-        g = grad.permute(0, 2, 3, 1).reshape(-1, grad.shape[1])
-    else:
-        g = grad.reshape(-1, grad.shape[-1])
+    g = layer.kind.output_gradients(layer.module, grad.detach().to(dtype))
     if loss_average is None:
         return g
-    return g * math.sqrt(num_terms)
+    return g * math.sqrt(loss_terms(layer, grad, loss_average))
 
 
 def input_sum_squares(layer: Layer, x: Tensor, dtype: torch.dtype) -> Tensor:
     """diag(aᵀa) of :func:`input_matrix` (column sums of squares, bias entry included)
     without materialising a: one pass over the input (conv patches are not unfolded)."""
-    from ..ops import col_sum_squares, conv2d_patch_sum_squares
-
-    x = x.detach()
-    if isinstance(layer.module, nn.Conv2d):
-        module = layer.module
-        x = x if x.dim() == 4 else x.unsqueeze(0)
-        padding = module.padding
-        if module.padding_mode != "zeros" or isinstance(padding, str):
-            mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-            x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
-            padding = (0, 0)
-        rows = x.shape[0] * _conv_positions(module, x.shape[-2:], padding)
-        h = conv2d_patch_sum_squares(
-            x, module.kernel_size, module.stride, padding, module.dilation, module.groups
-        )
-    else:
-        rows = x.numel() // max(x.shape[-1], 1)
-        h = col_sum_squares(x, -1)
+    h, rows = layer.kind.input_sum_squares(layer.module, x.detach())
     h = h.to(dtype)
     if layer.bias is not None:
         h = torch.cat([h, h.new_full((1,), float(rows))])
     return h.mul_(1.0 / max(rows, 1))
 
 
-def _conv_positions(module: nn.Conv2d, size, padding) -> int:
-    out = 1
-    dims = zip(size, module.kernel_size, module.stride, padding, module.dilation, strict=True)
-    for n, k, s, p, d in dims:
-        out *= max((n + 2 * p - d * (k - 1) - 1) // s + 1, 0)
-    return out
-
-
 def grad_output_sum_squares(
     layer: Layer, grad: Tensor, loss_average: str | None, dtype: torch.dtype
 ) -> Tensor:
     """diag(gᵀg) of :func:`grad_output_matrix`, in one pass over the output gradient."""
-    from ..ops import col_sum_squares
-
-    grad, num_terms = _batched_grad(layer, grad.detach(), loss_average)
-    conv = isinstance(layer.module, nn.Conv2d)
-    s = col_sum_squares(grad, 1 if conv else -1)
-    s = s.to(dtype)
-    return s if loss_average is None else s.mul_(float(num_terms))
+    s = layer.kind.output_sum_squares(layer.module, grad.detach()).to(dtype)
+    return s if loss_average is None else s.mul_(float(loss_terms(layer, grad, loss_average)))
 
 
 def gradient_matrix(layer: Layer, dtype: torch.dtype) -> Tensor:
     """G: (d_C, d_K) in ``dtype``, the weight gradient with the bias gradient appended."""
-    G = layer.weight.grad.detach().reshape(layer.dim_out, -1).to(dtype)
+    G = layer.kind.weight_matrix(layer.weight.grad.detach()).to(dtype)
     if layer.bias is None:
         return G
     bias_grad = layer.bias.grad
@@ -194,6 +317,8 @@ def gradient_matrix(layer: Layer, dtype: torch.dtype) -> Tensor:
 
 def split_matrix(layer: Layer, M: Tensor) -> list[Tensor]:
     """Inverse of :func:`gradient_matrix`: M (d_C, d_K) into tensors shaped like the params."""
+    weight_part = M if layer.bias is None else M[:, :-1]
+    weight = layer.kind.weight_from_matrix(weight_part, layer.weight)
     if layer.bias is None:
-        return [M.reshape(layer.weight.shape)]
-    return [M[:, :-1].reshape(layer.weight.shape), M[:, -1].reshape(layer.bias.shape)]
+        return [weight]
+    return [weight, M[:, -1].reshape(layer.bias.shape)]

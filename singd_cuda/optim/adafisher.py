@@ -14,6 +14,8 @@ with their modules by identity, not by index.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -32,12 +34,16 @@ ADAFISHER = "adafisher"
 
 class DiagonalBatch:
     """The lists of one :func:`singd_cuda.ops.diag_precond_step_` call: each layer's
-    weight as a (d_C, n) matrix and its bias as a (d_C, 1) matrix, with the row scales
-    (d_C) and the matching slice of the column scales (d_K = n [+ 1]).
+    weight as its (d_C, n) weight matrix (:meth:`LayerKind.weight_matrix`) and its bias as
+    a (d_C, 1) matrix, with the row scales (d_C) and the matching slice of the column
+    scales (d_K = n [+ 1]).
 
-    The matrices are views where the memory layout allows; a tensor that cannot be
-    viewed (e.g. a channels_last conv weight) is queued as a contiguous copy, and
-    :meth:`write_back` copies the updated parameters and buffers back after the op.
+    The matrices are views where the memory layout allows. A weight stored transposed
+    (Hugging Face ``Conv1D``: (n, d_C) in memory) is queued as that (n, d_C) view with
+    its row and column scales swapped: the op's scale is the outer product of the two,
+    elementwise the same. A tensor that cannot be viewed (e.g. a channels_last conv
+    weight) is queued as a contiguous copy, and :meth:`write_back` copies the updated
+    parameters and buffers back after the op.
     """
 
     def __init__(self) -> None:
@@ -46,17 +52,26 @@ class DiagonalBatch:
         self.bufs: list[Tensor] = []
         self.rows: list[Tensor] = []
         self.cols: list[Tensor] = []
-        self._copies: list[tuple[Tensor, Tensor]] = []  # (tensor, its updated matrix copy)
+        # (tensor, its updated matrix copy, (matrix, tensor) -> shaped like tensor, transposed)
+        self._copies: list[tuple[Tensor, Tensor, Callable, bool]] = []
 
-    def _matrix(self, tensor: Tensor, rows: int, updated: bool) -> Tensor:
-        """``tensor`` as (rows, -1): a view, else a copy (written back if ``updated``)."""
-        try:
-            return tensor.view(rows, -1)
-        except RuntimeError:
-            copy = tensor.reshape(rows, -1)  # not viewable: reshape copies
-            if updated:
-                self._copies.append((tensor, copy))
-            return copy
+    def _matrix(
+        self, tensor: Tensor, as_matrix, from_matrix, transposed: bool, updated: bool
+    ) -> Tensor:
+        """``as_matrix(tensor)`` (transposed if ``transposed``) as a contiguous view of
+        ``tensor``, else a copy (written back through ``from_matrix`` if ``updated``)."""
+        matrix = as_matrix(tensor)
+        if transposed:
+            matrix = matrix.T
+        shares = matrix.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
+        if shares and matrix.is_contiguous():
+            return matrix
+        # as_matrix copied already (a layout reshape cannot view), or a strided view
+        copy = matrix.clone(memory_format=torch.contiguous_format) if shares else matrix
+        copy = copy.contiguous()
+        if updated:
+            self._copies.append((tensor, copy, from_matrix, transposed))
+        return copy
 
     def add(
         self, layer: Layer, states: list[dict], row: Tensor, col: Tensor, buf_key: str | None
@@ -64,6 +79,7 @@ class DiagonalBatch:
         """Queue the layer's parameters that have a gradient, with their buffers
         ``state[buf_key]`` (created as zeros in the parameter's dtype; none when
         ``buf_key`` is None)."""
+        kind = layer.kind
         d_out = layer.dim_out
         start = 0
         for param, state in zip(layer.params, states, strict=True):
@@ -72,22 +88,39 @@ class DiagonalBatch:
             start += width
             if param.grad is None:
                 continue  # e.g. a bias frozen after construction: leave it alone
-            self.params.append(self._matrix(param, d_out, updated=True))
-            self.grads.append(self._matrix(param.grad, d_out, updated=False))
+            if param is layer.weight:
+                as_matrix, from_matrix = kind.weight_matrix, kind.weight_from_matrix
+                view = as_matrix(param)
+                transposed = not view.is_contiguous() and view.T.is_contiguous()
+            else:
+                as_matrix, from_matrix = _column, _like
+                transposed = False
+            matrices = partial(self._matrix, as_matrix=as_matrix, from_matrix=from_matrix)
+            self.params.append(matrices(param, transposed=transposed, updated=True))
+            self.grads.append(matrices(param.grad, transposed=transposed, updated=False))
             if buf_key is not None:
                 if buf_key not in state:
                     state[buf_key] = torch.zeros_like(param)
-                self.bufs.append(self._matrix(state[buf_key], d_out, updated=True))
-            self.rows.append(row)
-            self.cols.append(cols)
+                self.bufs.append(matrices(state[buf_key], transposed=transposed, updated=True))
+            self.rows.append(cols if transposed else row)
+            self.cols.append(row if transposed else cols)
 
     def lists(self) -> tuple[list[Tensor], ...]:
         return self.params, self.grads, self.bufs, self.rows, self.cols
 
     def write_back(self) -> None:
         """Copy the updated matrix copies into the tensors they stand for (after the op)."""
-        for tensor, copy in self._copies:
-            tensor.copy_(copy.view(tensor.shape))
+        for tensor, copy, from_matrix, transposed in self._copies:
+            tensor.copy_(from_matrix(copy.T if transposed else copy, tensor))
+
+
+def _column(bias: Tensor) -> Tensor:
+    """A bias (or a tensor shaped like it) as a (d_C, 1) matrix."""
+    return bias.reshape(-1, 1)
+
+
+def _like(matrix: Tensor, tensor: Tensor) -> Tensor:
+    return matrix.reshape(tensor.shape)
 
 
 def min_max_normalise(v: Tensor, out: Tensor | None = None, scratch: Tensor | None = None):

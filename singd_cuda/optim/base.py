@@ -40,6 +40,7 @@ from ..curvature.layers import (
     gradient_matrix,
     input_matrix,
     input_sum_squares,
+    is_supported,
     loss_terms,
 )
 from ..distributed import comm as dist_comm
@@ -47,7 +48,7 @@ from ..distributed import norm_fisher, recipe
 from ..distributed.ownership import layer_cost
 from ..distributed.synchronizer import DEFAULT_BUCKET_CAP_MB, Synchronizer
 from ..structures.base import accumulation_dtype, upcast
-from . import checkpoint, hyperparameters
+from . import checkpoint, hyperparameters, summary
 from .fallback import adamw_update_
 from .finite import FactorUndo, FiniteCheck, tensors_of
 
@@ -296,7 +297,7 @@ class KroneckerOptimizer(Optimizer):
         layers, seen = [], set()
         for name, module in model.named_modules():
             weight = getattr(module, "weight", None)
-            if not isinstance(module, SUPPORTED_LAYERS) or id(weight) not in trained:
+            if not is_supported(module) or id(weight) not in trained:
                 continue
             if id(weight) in seen or id(module) in skipped or id(weight) in skipped:
                 continue
@@ -322,7 +323,8 @@ class KroneckerOptimizer(Optimizer):
         if not layers:
             supported = ", ".join(c.__name__ for c in SUPPORTED_LAYERS)
             raise ValueError(
-                f"the model has no supported layer ({supported}) "
+                f"the model has no supported layer ({supported}, Hugging Face Conv1D, or a "
+                "class given to singd_cuda.register_layer_kind) "
                 f"whose weight is trained by this optimizer; {type(self).__name__} needs at least "
                 "one (for a model without any, use torch.optim.AdamW)"
             )
@@ -332,6 +334,16 @@ class KroneckerOptimizer(Optimizer):
     def layers(self) -> list[Layer]:
         """The preconditioned layers, in model order."""
         return list(self._layers)
+
+    def preconditioned(self) -> dict[str, tuple[str, str]]:
+        """{qualified module name: (K side structure, C side structure)} of every
+        preconditioned layer (:mod:`singd_cuda.optim.summary`)."""
+        return summary.preconditioned(self)
+
+    def summary(self) -> str:
+        """A printable table of the preconditioned layers, their structures and state
+        bytes, and the fraction of parameters that get curvature."""
+        return summary.summary(self)
 
     def group_of(self, layer: Layer) -> dict:
         return self.param_groups[self._layer_group[layer]]
