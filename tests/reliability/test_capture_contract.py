@@ -268,3 +268,21 @@ def test_grad_penalty_counts_the_pass_that_reaches_grad():
         assert_close_params(
             run(name, mlp(), with_zero_penalty), run(name, mlp(), plain_step), rtol=1e-9
         )
+
+
+@pytest.mark.parametrize("name", ["singd-dense", "adafisher", "kfac"])
+def test_torch_func_per_sample_gradients_leave_nothing(name):
+    """Per-sample gradients with torch.func (vmap over grad of functional_call) between
+    steps run the layers but accumulate no .grad: they count for nothing."""
+    from torch.func import functional_call, grad, vmap
+
+    def with_per_sample_grads(model, opt, x, y):
+        params = {k: p.detach() for k, p in model.named_parameters()}
+
+        def sample_loss(p, xs, ys):
+            return loss_sum(functional_call(model, p, (xs[None],)), ys[None])
+
+        vmap(grad(sample_loss), in_dims=(None, 0, 0))(params, x, y)
+        plain_step(model, opt, x, y)
+
+    assert_close_params(run(name, mlp(), with_per_sample_grads), run(name, mlp(), plain_step))
