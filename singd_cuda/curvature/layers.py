@@ -305,8 +305,12 @@ def grad_output_sum_squares(
 
 
 def gradient_matrix(layer: Layer, dtype: torch.dtype) -> Tensor:
-    """G: (d_C, d_K) in ``dtype``, the weight gradient with the bias gradient appended."""
-    G = layer.kind.weight_matrix(layer.weight.grad.detach()).to(dtype)
+    """G: (d_C, d_K) in ``dtype``, the weight gradient with the bias gradient appended
+    (zeros for a parameter without a gradient, e.g. a frozen weight)."""
+    weight_grad = layer.weight.grad
+    if weight_grad is None:
+        weight_grad = torch.zeros_like(layer.weight)
+    G = layer.kind.weight_matrix(weight_grad.detach()).to(dtype)
     if layer.bias is None:
         return G
     bias_grad = layer.bias.grad

@@ -504,10 +504,11 @@ class KroneckerOptimizer(Optimizer):
                 "layer inputs or output gradients), step skipped and no state changed; "
                 "use a GradScaler or float32 statistics (nonfinite='raise' to raise)"
             )
-        layers = [
+        layers = [  # those with a gradient (a frozen weight's trained bias counts)
             layer
             for layer in self._layers
-            if layer.weight.grad is not None and (self._sync is None or self._sync.owns(layer))
+            if any(p.grad is not None for p in layer.params)
+            and (self._sync is None or self._sync.owns(layer))
         ]
         if not self._update_factors(layers):
             return self._skip(

@@ -184,9 +184,10 @@ def test_frozen_weight_takes_no_statistics_and_trains_once_unfrozen(name):
             model[0].weight.requires_grad_(True)
         opt.zero_grad()
         (loss_sum(model(x), y) / len(y)).backward()
+        if step < 2:
+            assert opt.layers[0] not in opt._capture.committed
         opt.step()
         if step < 2:
-            assert opt.state.get(model[0].weight, {}) == {}
             assert torch.equal(model[0].weight, frozen)
     assert not torch.equal(model[0].weight, frozen)
     assert opt.state[model[0].weight]
@@ -286,3 +287,18 @@ def test_torch_func_per_sample_gradients_leave_nothing(name):
         plain_step(model, opt, x, y)
 
     assert_close_params(run(name, mlp(), with_per_sample_grads), run(name, mlp(), plain_step))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_frozen_weights_with_trained_biases_train_the_biases(name):
+    """BitFit: every weight frozen, the biases trained (with the current factors)."""
+    model = mlp()
+    for layer in (model[0], model[2]):
+        layer.weight.requires_grad_(False)
+    weights = [model[0].weight.detach().clone(), model[2].weight.detach().clone()]
+    biases = [model[0].bias.detach().clone(), model[2].bias.detach().clone()]
+    opt = make_optimizer(name, model)
+    for x, y in batches(3):
+        plain_step(model, opt, x, y)
+    assert torch.equal(model[0].weight, weights[0]) and torch.equal(model[2].weight, weights[1])
+    assert not torch.equal(model[0].bias, biases[0]) and not torch.equal(model[2].bias, biases[1])
