@@ -231,9 +231,11 @@ class CurvatureCapture:
         return _DirectCommit(self)
 
     def discard(self) -> None:
-        """Forget committed statistics (``zero_grad``): a thrown-away batch counts for
-        nothing."""
+        """Forget what the passes since the last step left (``zero_grad``): a thrown-away
+        batch counts for nothing."""
         self.committed.clear()
+        self.accumulated.clear()
+        self.saw_samples = False
 
     def reset(self) -> None:
         """After a step (taken or skipped): forget statistics, counts and gradient marks."""
