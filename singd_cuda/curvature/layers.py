@@ -278,12 +278,10 @@ def loss_terms(layer: Layer, output: Tensor, loss_average: str | None) -> int:
     return rows if loss_average == "batch+sequence" else batch
 
 
-def grad_output_matrix(layer: Layer, grad: Tensor, loss_average: str | None, dtype) -> Tensor:
-    """g: (N, d_C) in ``dtype``, the output gradient scaled by √L (L loss terms)."""
-    g = layer.kind.output_gradients(layer.module, grad.detach().to(dtype))
-    if loss_average is None:
-        return g
-    return g * math.sqrt(loss_terms(layer, grad, loss_average))
+def grad_output_matrix(layer: Layer, grad: Tensor, dtype) -> Tensor:
+    """g: (N, d_C) in ``dtype``, the raw output gradient (the optimizer scales the summed
+    statistics by the loss terms of their forwards)."""
+    return layer.kind.output_gradients(layer.module, grad.detach().to(dtype))
 
 
 def input_sum_squares(layer: Layer, x: Tensor, dtype: torch.dtype) -> Tensor:
@@ -296,12 +294,9 @@ def input_sum_squares(layer: Layer, x: Tensor, dtype: torch.dtype) -> Tensor:
     return h.mul_(1.0 / max(rows, 1))
 
 
-def grad_output_sum_squares(
-    layer: Layer, grad: Tensor, loss_average: str | None, dtype: torch.dtype
-) -> Tensor:
+def grad_output_sum_squares(layer: Layer, grad: Tensor, dtype: torch.dtype) -> Tensor:
     """diag(gᵀg) of :func:`grad_output_matrix`, in one pass over the output gradient."""
-    s = layer.kind.output_sum_squares(layer.module, grad.detach()).to(dtype)
-    return s if loss_average is None else s.mul_(float(loss_terms(layer, grad, loss_average)))
+    return layer.kind.output_sum_squares(layer.module, grad.detach()).to(dtype)
 
 
 def gradient_matrix(layer: Layer, dtype: torch.dtype) -> Tensor:

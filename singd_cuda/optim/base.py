@@ -401,11 +401,11 @@ class KroneckerOptimizer(Optimizer):
             and not (self._sync is not None and self._sync.distribute_factors)
         ):
             h = input_sum_squares(layer, layer_input, dtype).mul_(weight)
-            s = grad_output_sum_squares(layer, grad_output, None, dtype)
+            s = grad_output_sum_squares(layer, grad_output, dtype)
             rule.accumulate_diagonal(layer, group, self._layer_state(layer, group), into, h, s)
             return
         a = input_matrix(layer, layer_input, dtype).mul_(math.sqrt(weight)) if with_input else None
-        g = grad_output_matrix(layer, grad_output, None, dtype)
+        g = grad_output_matrix(layer, grad_output, dtype)
         self._accumulate(layer, group, into, a, g)
 
     def _layer_state(self, layer: Layer, group: dict) -> dict:

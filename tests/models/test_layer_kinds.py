@@ -174,7 +174,7 @@ def test_readme_kind_reproduces_the_weight_gradient():
         (out * torch.randn_like(out)).sum().backward()
         layer = Layer("scaled", module, module.weight, None)
         a = input_matrix(layer, x, torch.float64) * (x.numel() // 5) ** 0.5
-        g = grad_output_matrix(layer, out.grad, None, torch.float64)
+        g = grad_output_matrix(layer, out.grad, torch.float64)
         torch.testing.assert_close(g.T @ a, module.weight.grad, rtol=1e-12, atol=1e-12)
         opt = SINGD(nn.Sequential(module), lr=0.1, T=1, structures="dense")
         assert opt.preconditioned() == {"0": ("dense", "dense")}

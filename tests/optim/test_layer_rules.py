@@ -37,7 +37,7 @@ def captured(module: nn.Module, x: torch.Tensor):
     layer = Layer("layer", module, module.weight, module.bias)
     a = input_matrix(layer, x, torch.float64)
     a = a * math.sqrt(a.shape[0])  # undo the 1/√N
-    g = grad_output_matrix(layer, out.grad, None, torch.float64)
+    g = grad_output_matrix(layer, out.grad, torch.float64)
     return a, g, gradient_matrix(layer, torch.float64)
 
 
