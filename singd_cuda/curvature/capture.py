@@ -5,10 +5,11 @@ layer count exactly when that pass accumulates into the ``.grad`` of the layer's
 
 How:
 
-* A forward hook on each module of a layer (on steps that take statistics, with grad
-  enabled and the weight trainable) keeps the input and puts a tensor hook on the output.
-* In the backward, the output hook computes the call's statistics (through the owner)
-  and *stages* them for this backward pass.
+* A forward hook on each module of a layer (with grad enabled and the weight trainable)
+  asks the capture, through the ``mark`` op, whether the call takes statistics on this
+  step, and if so wraps the output in :class:`capture_ops.Stage`, which keeps the input.
+* In the backward, ``Stage`` computes the call's statistics (through the owner) and
+  *stages* them for this backward pass (the ``stage`` op).
 * The weight's post-accumulate-grad hook *commits* what was staged: it runs once per
   backward pass, after every use of the weight in that pass (autograd sums the uses
   before it accumulates), so shared weights and modules called twice commit once.
@@ -26,7 +27,10 @@ of a layer within it is weighted by w on the input side, the output side is kept
 sums, and the owner divides by / multiplies with the total of w over the committed
 forwards (see :class:`Committed`). Empty batches have w = 0 and count for nothing.
 
-Nothing runs under ``torch.func`` transforms, in ``no_grad``, or for frozen weights;
+The hooks read and write no capture state themselves: the ops of :mod:`.capture_ops` do,
+at run time, so ``torch.compile`` traces a hooked model without a graph break (one graph,
+as the plain model, on steps with and without statistics; eager calls the ops' functions
+directly). Nothing runs under ``torch.func`` transforms, in ``no_grad``, or for frozen weights;
 ``module.training`` does not matter (models train with frozen BatchNorm or dropout).
 Hooks hold the capture weakly and drop out of copies and pickles of the model, so
 ``copy.deepcopy(model)`` and ``torch.save(model)`` work and a collected optimizer leaves
@@ -43,6 +47,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
+from . import capture_ops
 from .layers import Layer
 
 Statistics = dict  # "in" / "out" -> statistic (a tensor or structured matrix, add_/mul_)
@@ -116,29 +121,34 @@ class CurvatureCapture:
         self.taken_over = False  # another optimizer's capture hooks these modules now
         self.saw_samples = False  # a grad-enabled layer call held data since the last step
         self._staged: dict[Layer, _Staged] = {}
-        self._forward = 0
+        # the number of the current model forward (in a tensor: the ops read it in a graph)
+        self._forward = torch.zeros((), dtype=torch.int64, device="cpu")
         self._forward_terms: dict[tuple[Layer, int], float] = {}
         self._callback_queued = False
         self._direct = False
         self._grad_hooks: dict[int, object] = {}
+        self._layers = list(layers)
+        handle = capture_ops.register(self)
         ref = weakref.ref(self)
+        probe = capture_ops.new_probe()
         self._handles = [
-            module.register_forward_hook(_Hook(ref, "_on_forward", layer), with_kwargs=True)
-            for layer in layers
+            module.register_forward_hook(
+                _LayerHook(ref, handle, index, layer.weight, self._forward, probe),
+                with_kwargs=True,
+            )
+            for index, layer in enumerate(layers)
             for module in layer.modules
         ]
-        self._handles.append(model.register_forward_pre_hook(_Hook(ref, "_on_model_forward")))
-        self._layers = list(layers)
+        self._handles.append(model.register_forward_pre_hook(_ModelHook(handle, self._forward)))
         for layer in layers:
             self._hook_weight(layer)
         # a collected capture (its optimizer dropped) takes its hooks with it
         weakref.finalize(self, _remove_handles, self._handles, self._grad_hooks)
 
     # ------------------------------------------------------------- forward
-    def _on_model_forward(self, module: nn.Module, args) -> None:
-        self._forward += 1
-        if torch.is_grad_enabled():
-            self._owner._before_forward()
+    # At run time, inside the graph ops of capture_ops (compiled or not).
+    def _on_model_forward(self) -> None:
+        self._owner._before_forward()
 
     def _hook_weight(self, layer: Layer) -> None:
         """The post-accumulate-grad hook of the layer's weight (once it can take one)."""
@@ -148,33 +158,30 @@ class CurvatureCapture:
         hook = _Hook(weakref.ref(self), "_on_accumulated", layer)
         self._grad_hooks[id(weight)] = weight.register_post_accumulate_grad_hook(hook)
 
-    def _on_forward(self, layer: Layer, module: nn.Module, args, kwargs, output) -> None:
-        if not (torch.is_grad_enabled() and isinstance(output, Tensor) and output.requires_grad):
-            return
-        if not layer.weight.requires_grad or layer in self.excluded:
-            return
+    def _saw(self, layer: Layer, output: Tensor) -> bool:
+        """Note a grad-enabled call of ``layer``; False when the owner dropped the layer."""
+        if layer in self.excluded:
+            return False
         self.saw_samples = self.saw_samples or output.numel() > 0
-        if torch._C._are_functorch_transforms_active():
-            return
-        if not self._owner._wants_statistics(layer):
-            return
+        return True
+
+    def _on_forward(self, index: int, forward: int, output: Tensor) -> tuple[int, int, int]:
+        """(takes statistics, forward, w) of a grad-enabled call of a layer whose weight
+        is trainable: its token (``capture_ops.mark``)."""
+        layer = self._layers[index]
+        if not self._saw(layer, output) or not self._owner._wants_statistics(layer):
+            return (0, forward, 0)
         self._hook_weight(layer)  # a weight unfrozen after construction
-        layer_input = (args[0] if args else next(iter(kwargs.values()))).detach()
-        forward = self._forward
         key = (layer, forward)
         if key not in self._forward_terms:  # the first call of the layer in this forward
-            self._forward_terms[key] = float(self._owner._loss_terms(layer, output))
-        weight = self._forward_terms[key]
-
-        def on_grad(grad_output: Tensor) -> None:
-            self._on_grad(layer, layer_input, grad_output, forward, weight)
-
-        output.register_hook(on_grad)
+            self._forward_terms[key] = int(self._owner._loss_terms(layer, output))
+        return (1, forward, int(self._forward_terms[key]))
 
     # ------------------------------------------------------------ backward
     def _on_grad(
-        self, layer: Layer, layer_input: Tensor, grad_output: Tensor, forward: int, weight: float
+        self, index: int, layer_input: Tensor, grad_output: Tensor, forward: int, weight: float
     ) -> None:
+        layer = self._layers[index]
         if self._direct:
             committed = self.committed.setdefault(layer, Committed(direct=True))
             with torch.autocast(grad_output.device.type, enabled=False):
@@ -222,7 +229,7 @@ class CurvatureCapture:
         later calls belong to another forward."""
         self._staged.clear()
         self._callback_queued = False
-        self._forward += 1
+        self._forward.add_(1)
 
     # ------------------------------------------------------------- control
     def direct(self) -> _DirectCommit:
@@ -299,6 +306,58 @@ def _call(ref: Callable[[], CurvatureCapture | None], method: str, *args):
     if capture is not None:
         return getattr(capture, method)(*args)
     return None
+
+
+class _ModelHook:
+    """The forward pre-hook of the model: the ``begin`` op (traced by ``torch.compile``)."""
+
+    def __init__(self, handle: int, forward: Tensor) -> None:
+        self._handle, self._forward = handle, forward
+
+    def __call__(self, module: nn.Module, args) -> None:
+        if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
+            return  # torch.func: a forward that takes no statistics
+        capture_ops.begin(self._forward, self._handle, torch.is_grad_enabled())
+
+    def __deepcopy__(self, memo) -> _Hook:
+        return _inert_hook()
+
+    def __reduce__(self):
+        return (_inert_hook, ())
+
+
+class _LayerHook:
+    """The forward hook of a layer's modules, traced by ``torch.compile``: it reads no
+    capture state (the ``mark`` op does, at run time) and wraps the output in
+    :class:`capture_ops.Stage`. Eager calls that take no statistics keep the output."""
+
+    def __init__(self, ref, handle: int, index: int, weight, forward: Tensor, probe) -> None:
+        self._ref, self._handle, self._index = ref, handle, index
+        self._weight, self._forward, self._probe = weight, forward, probe
+
+    def __call__(self, module: nn.Module, args, kwargs, output):
+        if not (torch.is_grad_enabled() and isinstance(output, Tensor) and output.requires_grad):
+            return None
+        if not self._weight.requires_grad:
+            return None
+        if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
+            capture = self._ref()  # torch.func: note the samples, capture nothing
+            if capture is not None:
+                capture._saw(capture._layers[self._index], output)
+            return None
+        token = capture_ops.mark(self._forward, output, self._handle, self._index)
+        if not torch.compiler.is_compiling() and not token[0]:
+            return None
+        layer_input = (args[0] if args else next(iter(kwargs.values()))).detach()
+        return capture_ops.Stage.apply(
+            output, token, layer_input, self._probe, self._handle, self._index
+        )
+
+    def __deepcopy__(self, memo) -> _Hook:
+        return _inert_hook()
+
+    def __reduce__(self):
+        return (_inert_hook, ())
 
 
 class _Hook:

@@ -1,0 +1,122 @@
+"""The capture's points in a model's graph, as opaque custom ops (so ``torch.compile``
+traces a preconditioned model into one graph per forward and backward).
+
+The capture's bookkeeping is Python state (what each backward pass staged, what it
+committed, the loss terms of each forward). Dynamo cannot trace that, so the hooks put
+three ops into the graph, each running the capture's Python at run time, compiled or not:
+
+* ``singd_capture::begin(counter)``, at each call of the hooked model: counts the model
+  forward (``counter`` += 1, in place, so every later op of the forward reads it after).
+* ``singd_capture::mark(counter, output) -> token``, at each call of a layer: whether the
+  call takes statistics, its forward and its w, as an int64 tensor (3,) on the CPU.
+* ``singd_capture::stage(grad_output, layer_input, token) -> 0``, in the backward of the
+  layer output (:class:`Stage`): computes and stages the call's statistics. It returns
+  the gradient of the capture's *probe*, a scalar leaf tensor that every layer's
+  :class:`Stage` takes as an input, which keeps the op in the backward graph.
+
+A capture is found by an integer ``handle`` (ops take no Python objects); a collected
+capture's ops do nothing. Eager code calls the same functions directly (:func:`_in_graph`):
+an op's dispatch costs ~50 µs a call on a CPU, the direct call ~10.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+from torch import Tensor
+
+TOKEN_FIELDS = 3  # (takes statistics, forward, w)
+_captures: dict[int, weakref.ref] = {}
+_handles = itertools.count()
+
+
+def register(capture) -> int:
+    """A new handle by which the ops find ``capture`` (held weakly)."""
+    handle = next(_handles)
+    _captures[handle] = weakref.ref(capture, lambda _, handle=handle: _captures.pop(handle, None))
+    return handle
+
+
+def _lookup(handle: int):
+    ref = _captures.get(handle)
+    return None if ref is None else ref()
+
+
+def new_probe() -> Tensor:
+    """The probe of a capture: a float32 scalar leaf on the CPU whose gradient is zero."""
+    return torch.zeros((), dtype=torch.float32, device="cpu", requires_grad=True)
+
+
+def _in_graph(op, impl):
+    """``op`` when Dynamo traces the caller, else ``impl`` (the op's own function)."""
+
+    def call(*args):
+        return op(*args) if torch.compiler.is_compiling() else impl(*args)
+
+    return call
+
+
+def _begin(counter: Tensor, handle: int, grad_enabled: bool) -> None:
+    counter.add_(1)
+    capture = _lookup(handle)
+    if capture is not None and grad_enabled:
+        capture._on_model_forward()
+
+
+def _mark(counter: Tensor, output: Tensor, handle: int, index: int) -> Tensor:
+    capture = _lookup(handle)
+    fields = (0, 0, 0) if capture is None else capture._on_forward(index, int(counter), output)
+    return torch.tensor(fields, dtype=torch.int64, device="cpu")
+
+
+def _stage(
+    grad_output: Tensor, layer_input: Tensor, token: Tensor, handle: int, index: int
+) -> Tensor:
+    takes, forward, weight = token.tolist()
+    capture = _lookup(handle) if takes else None
+    if capture is not None:
+        capture._on_grad(index, layer_input, grad_output, forward, float(weight))
+    return torch.zeros((), dtype=torch.float32, device="cpu")
+
+
+_begin_op = torch.library.custom_op("singd_capture::begin", _begin, mutates_args=("counter",))
+_mark_op = torch.library.custom_op("singd_capture::mark", _mark, mutates_args=())
+_stage_op = torch.library.custom_op("singd_capture::stage", _stage, mutates_args=())
+begin = _in_graph(_begin_op, _begin)
+mark = _in_graph(_mark_op, _mark)
+stage = _in_graph(_stage_op, _stage)
+
+
+@_mark_op.register_fake
+def _mark_fake(counter: Tensor, output: Tensor, handle: int, index: int) -> Tensor:
+    return torch.empty(TOKEN_FIELDS, dtype=torch.int64, device="cpu")
+
+
+@_stage_op.register_fake
+def _stage_fake(grad_output, layer_input, token, handle, index) -> Tensor:
+    return torch.empty((), dtype=torch.float32, device="cpu")
+
+
+class Stage(torch.autograd.Function):
+    """A copy of a layer output whose backward stages the call's statistics (through
+    :func:`stage`) and passes the output gradient on unchanged. A copy, not the output
+    itself: a custom Function's output that is an input may not be modified in place
+    (``ReLU(inplace=True)``)."""
+
+    @staticmethod
+    def forward(output, token, layer_input, probe, handle: int, index: int) -> Tensor:
+        return output.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, result) -> None:
+        _, token, layer_input, _, handle, index = inputs
+        ctx.save_for_backward(layer_input, token)
+        ctx.handle, ctx.index = handle, index
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        layer_input, token = ctx.saved_tensors
+        probe_grad = stage(grad_output, layer_input, token, ctx.handle, ctx.index)
+        return grad_output, None, None, probe_grad, None, None
