@@ -55,6 +55,12 @@ from .finite import FactorUndo, FiniteCheck, tensors_of
 Schedule = float | Callable[[int], float]
 
 
+STEP_NOT_COMPILED = (
+    "singd_cuda optimizers step eagerly: compile the model, not optimizer.step "
+    "(README, 'torch.compile')"
+)
+
+
 def scheduled(value: Schedule, step: int) -> float:
     """A hyperparameter that may be a callable of the step count."""
     return value(step) if callable(value) else value
@@ -460,6 +466,9 @@ class KroneckerOptimizer(Optimizer):
         return None, None, found_inf
 
     # ---------------------------------------------------------------- step
+    # torch.compile(opt.step) runs the step eagerly: its work is fused C++ ops and
+    # bookkeeping in Python (tensor values decide what runs), which Dynamo would break up
+    @torch.compiler.disable(reason=STEP_NOT_COMPILED)
     @torch.no_grad()
     def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
         loss = None
