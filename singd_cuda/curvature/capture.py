@@ -39,6 +39,7 @@ no working hook behind.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -142,6 +143,7 @@ class CurvatureCapture:
         self._handles.append(model.register_forward_pre_hook(_ModelHook(handle, self._forward)))
         for layer in layers:
             self._hook_weight(layer)
+        _forget_compiled_code()
         # a collected capture (its optimizer dropped) takes its hooks with it
         weakref.finalize(self, _remove_handles, self._handles, self._grad_hooks)
 
@@ -254,12 +256,22 @@ class CurvatureCapture:
     def remove(self) -> None:
         """Remove every hook."""
         _remove_handles(self._handles, self._grad_hooks)
+        _forget_compiled_code()
 
     def modules(self) -> set[int]:
         """ids of the modules this capture hooks (while it has hooks)."""
         if not self._handles:
             return set()
         return {id(module) for layer in self._layers for module in layer.modules}
+
+
+def _forget_compiled_code() -> None:
+    """Make torch.compile trace hooked modules again. Dynamo does not guard on module
+    hooks (``torch._dynamo.config.skip_nnmodule_hook_guards``): code it compiled before
+    hooks were added or removed would run without them, or with stale ones."""
+    dynamo = sys.modules.get("torch._dynamo")  # not imported: nothing was compiled
+    if dynamo is not None:
+        dynamo.reset()
 
 
 def _remove_handles(handles: list, grad_hooks: dict) -> None:

@@ -150,6 +150,19 @@ def test_compiled_training_equals_eager_bit_for_bit(name):
         assert torch.equal(a, b)
 
 
+def test_code_compiled_before_the_hooks_does_not_run_on():
+    """Dynamo does not guard on module hooks: code compiled for an unhooked model would
+    run on a hooked model of the same structure (no statistics) unless the optimizer
+    resets Dynamo's caches, as it does."""
+    twin, data = make("mlp")
+    x, y = data[0]
+    F.cross_entropy(torch.compile(twin, backend="aot_eager", fullgraph=True)(x), y).backward()
+    model, _ = make("mlp")
+    opt = OPTIMIZERS["singd-dense"](model)
+    F.cross_entropy(torch.compile(model, backend="aot_eager", fullgraph=True)(x), y).backward()
+    assert len(opt._capture.committed) == len(opt.layers) == 3
+
+
 def test_compiled_contract_autograd_grad_and_thrown_away_batch_leave_nothing():
     """The capture contract under compile: an input gradient and a batch thrown away by
     zero_grad change nothing."""
