@@ -28,9 +28,10 @@ sums, and the owner divides by / multiplies with the total of w over the committ
 forwards (see :class:`Committed`). Empty batches have w = 0 and count for nothing.
 
 The hooks read and write no capture state themselves: the ops of :mod:`.capture_ops` do,
-at run time, so ``torch.compile`` traces a hooked model without a graph break (one graph,
-as the plain model, on steps with and without statistics; eager calls the ops' functions
-directly). Nothing runs under ``torch.func`` transforms, in ``no_grad``, or for frozen weights;
+at run time, so ``torch.compile`` traces a hooked model without a graph break, on steps
+with and without statistics (eager calls the ops' functions directly).
+
+Nothing runs under ``torch.func`` transforms, in ``no_grad``, or for frozen weights;
 ``module.training`` does not matter (models train with frozen BatchNorm or dropout).
 Hooks hold the capture weakly and drop out of copies and pickles of the model, so
 ``copy.deepcopy(model)`` and ``torch.save(model)`` work and a collected optimizer leaves
@@ -124,7 +125,7 @@ class CurvatureCapture:
         self._staged: dict[Layer, _Staged] = {}
         # the number of the current model forward (in a tensor: the ops read it in a graph)
         self._forward = torch.zeros((), dtype=torch.int64, device="cpu")
-        self._forward_terms: dict[tuple[Layer, int], float] = {}
+        self._forward_terms: dict[tuple[Layer, int], int] = {}
         self._callback_queued = False
         self._direct = False
         self._grad_hooks: dict[int, object] = {}
