@@ -96,8 +96,10 @@ def _block_diagonal_matmul(blocks: Tensor, last: Tensor, X: Tensor) -> Tensor:
     """blockdiag(blocks_l, last_l) X_l for blocks (L, n, b, b), last (L, r, r), X (L, d, m)."""
     L, n, b, _ = blocks.shape
     m = X.shape[2]
+    head = X[:, : n * b].reshape(L * n, b, m)  # a view when X is contiguous and r = 0
+    if last.shape[1] == 0:
+        return torch.bmm(blocks.reshape(L * n, b, b), head).view(L, n * b, m)
     out = X.new_empty(X.shape)
-    head = X[:, : n * b].reshape(L * n, b, m)
     out[:, : n * b] = torch.bmm(blocks.reshape(L * n, b, b), head).view(L, n * b, m)
     out[:, n * b :] = torch.bmm(last, X[:, n * b :])
     return out
@@ -111,5 +113,6 @@ def _arrow_matmul(k1: int, border: Tensor, middle: Tensor, X: Tensor) -> Tensor:
     out = X.new_empty(X.shape)
     out[:, :k1], out[:, s:] = rows[:, :k1], rows[:, k1:]
     X_border = torch.cat([X[:, :k1], X[:, s:]], dim=1)
-    out[:, k1:s] = torch.baddbmm(middle[:, :, None] * X[:, k1:s], border[:, :, k1:s].mT, X_border)
+    middle_rows = torch.mul(middle[:, :, None], X[:, k1:s], out=out[:, k1:s])
+    middle_rows.baddbmm_(border[:, :, k1:s].mT, X_border)
     return out
