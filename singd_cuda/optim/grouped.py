@@ -91,6 +91,27 @@ class StackedProduct:
             return _block_diagonal_matmul(parts["blocks"], parts["last"], X)
         return _arrow_matmul(self.k1, parts["border"], parts["middle"], X)
 
+    def matmul_transposed(self, X: Tensor) -> Tensor:
+        """(P_l X_lᵀ)ᵀ = X_l P_lᵀ for X of shape (L, n, d) (row-major, like the gradients):
+        the same products as :meth:`matmul` on X.mT without a transposing copy of X."""
+        dtype = torch.promote_types(next(iter(self.parts.values())).dtype, X.dtype)
+        X = X.to(dtype)
+        parts = {name: part.to(dtype) for name, part in self.parts.items()}
+        if self.kind is Dense:
+            return torch.bmm(X, parts["mat"].mT)
+        if self.kind is SymmetricArrow:
+            return _arrow_matmul_transposed(self.k1, parts["border"], parts["middle"], X)
+        blocks, last = parts["blocks"], parts["last"]
+        n, b = blocks.shape[1], blocks.shape[2]
+        # column block j of X times block jᵀ: a product over (layer, block), reading X in
+        # rows of b contiguous entries
+        head = torch.matmul(X[:, :, : n * b].unflatten(2, (n, b)).transpose(1, 2), blocks.mT)
+        out = X.new_empty(X.shape)
+        out[:, :, : n * b].unflatten(2, (n, b)).copy_(head.transpose(1, 2))
+        if last.shape[1]:
+            torch.bmm(X[:, :, n * b :], last.mT, out=out[:, :, n * b :])
+        return out
+
 
 def _block_diagonal_matmul(blocks: Tensor, last: Tensor, X: Tensor) -> Tensor:
     """blockdiag(blocks_l, last_l) X_l for blocks (L, n, b, b), last (L, r, r), X (L, d, m)."""
@@ -115,4 +136,17 @@ def _arrow_matmul(k1: int, border: Tensor, middle: Tensor, X: Tensor) -> Tensor:
     X_border = torch.cat([X[:, :k1], X[:, s:]], dim=1)
     middle_rows = torch.mul(middle[:, :, None], X[:, k1:s], out=out[:, k1:s])
     middle_rows.baddbmm_(border[:, :, k1:s].mT, X_border)
+    return out
+
+
+def _arrow_matmul_transposed(k1: int, border: Tensor, middle: Tensor, X: Tensor) -> Tensor:
+    """X_l P_lᵀ = X_l P_l (P symmetric) for X (L, n, d): the products of
+    :func:`_arrow_matmul` on X.mT, transposed, on row-major X."""
+    s = k1 + middle.shape[1]
+    rows = torch.bmm(X, border.mT)  # the border columns
+    out = X.new_empty(X.shape)
+    out[:, :, :k1], out[:, :, s:] = rows[:, :, :k1], rows[:, :, k1:]
+    X_border = torch.cat([X[:, :, :k1], X[:, :, s:]], dim=2)
+    middle_cols = torch.mul(X[:, :, k1:s], middle[:, None, :], out=out[:, :, k1:s])
+    middle_cols.baddbmm_(X_border, border[:, :, k1:s])
     return out

@@ -351,8 +351,9 @@ class SingdRule(LayerRule):
                 self._natural(layer, group, s[0], G_l, step)
                 for layer, s, G_l in zip(layers, states, G.unbind(0), strict=True)
             ]
-        # K side first on Gᵀ, C side last: Ĝ comes out row-major like the parameters
-        return list(CCt.matmul(KKt.matmul(G.mT).mT).unbind(0))
+        # K side first (G K Kᵀ = (K Kᵀ Gᵀ)ᵀ), C side last: Ĝ comes out row-major like the
+        # parameters
+        return list(CCt.matmul(KKt.matmul_transposed(G)).unbind(0))
 
     def _natural(self, layer, group, state, G: Tensor, step: int) -> Tensor:
         """Ĝ = (C Cᵀ) G (K Kᵀ) of one layer, for G (d_C, d_K)."""
