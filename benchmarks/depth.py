@@ -31,7 +31,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vs_peers import DTYPES, Runner, amortized_ms, median_ms
+from vs_peers import DTYPES, Products, Runner, amortized_ms, median_ms
 
 WIDTH, HEADS, VOCAB, TOKENS, BATCH = 256, 4, 256, 32, 4
 STRUCTURES = {
@@ -104,6 +104,33 @@ def make_runners(blocks: int, autocast) -> list[Runner]:
     return runners
 
 
+def layer_shapes(blocks: int) -> list[tuple[int, int, int]]:
+    """(d_K, d_C, N) of every preconditioned layer of GPT(blocks): qkv, proj, fc1, fc2 per
+    block and the head; d_K counts the bias column, N = batch x tokens rows."""
+    rows = BATCH * TOKENS
+    block = [
+        (WIDTH + 1, 3 * WIDTH),
+        (WIDTH + 1, WIDTH),
+        (WIDTH + 1, 4 * WIDTH),
+        (4 * WIDTH + 1, WIDTH),
+    ]
+    return [(d_K, d_C, rows) for d_K, d_C in block * blocks + [(WIDTH + 1, VOCAB)]]
+
+
+def products_rows(blocks: int, steps: int, warmup: int) -> list[dict]:
+    """The matrix products SINGD's math needs on GPT(blocks) (vs_peers.Products: per layer
+    torch.mm/bmm, every step the preconditioning and every T steps the factor update),
+    amortized over T = 10: the bound that no implementation of the same math beats."""
+    rows = []
+    for name in ("block_diagonal", "hierarchical"):
+        products = Products("gpt", name, 10, shapes=layer_shapes(blocks), spec=STRUCTURES[name])
+        for i in range(warmup + steps):
+            products.step(timed=i >= warmup)
+        ms = amortized_ms(products.times, products.updates, 10)
+        rows.append(dict(blocks=blocks, name=f"singd-{name}", products_ms=ms))
+    return rows
+
+
 def run_block(blocks: int, dtype_name: str, steps: int, warmup: int) -> list[dict]:
     runners = make_runners(blocks, DTYPES[dtype_name])
     plain, competitors = runners[0], runners[1:]
@@ -166,6 +193,24 @@ def report(rows: list[dict], args, elapsed: float) -> str:
     return "\n".join(lines) + "\n"
 
 
+def products_report(rows: list[dict]) -> str:
+    lines = [
+        "## The products' own time (float32)",
+        "",
+        f"Command: `python {' '.join(shlex.quote(a) for a in sys.argv)}`; load average before "
+        f"{os.getloadavg()[0]:.2f}; median of 20 rounds after 2 warm-up, amortized over T = 10.",
+        "",
+        "| blocks | structure | products | per block |",
+        "|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['blocks']} | {row['name']} | {row['products_ms']:.2f} | "
+            f"{row['products_ms'] / row['blocks']:.3f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", nargs="+", type=int, default=[4, 8, 16])
@@ -174,6 +219,11 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     parser.add_argument("--out", type=Path, default=None, help="markdown file to write")
+    parser.add_argument(
+        "--products-only",
+        action="store_true",
+        help="time only the matrix products (appended to --out as their own table)",
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -182,6 +232,12 @@ def main(argv=None) -> int:
     ops.fused_available("cpu")
     args.load = os.getloadavg()[0]
     start = time.perf_counter()
+    if args.products_only:
+        text = products_report([r for b in args.blocks for r in products_rows(b, 20, 2)])
+        if args.out:
+            args.out.write_text(args.out.read_text() + "\n" + text)
+        print(text)
+        return 0
     rows = []
     for dtype_name in args.dtypes:
         for blocks in args.blocks:

@@ -271,59 +271,71 @@ class Products:
     """The matrix products one structure's SINGD math needs on a model (see the module
     docstring): :meth:`step` runs those of a step without and with a factor update."""
 
-    def __init__(self, kind: str, structure: str, T: int) -> None:
+    def __init__(
+        self,
+        kind: str,
+        structure: str,
+        T: int,
+        shapes: list[tuple[int, int, int]] | None = None,
+        spec: str | None = None,
+    ) -> None:
+        """``shapes``: (d_K, d_C, N) per layer (default: ``layer_shapes(kind)``); ``spec``:
+        the structure's spec string (default: ``OURS_SPEC[structure]``)."""
         self.period = T
         self.step_products: list[Callable[[], object]] = []
         self.update_products: list[Callable[[], object]] = []
-        for d_K, d_C, rows in layer_shapes(kind):
+        spec = spec or OURS_SPEC[structure]
+        for d_K, d_C, rows in shapes or layer_shapes(kind):
             G = torch.randn(d_C, d_K)
-            self.step_products += [self._times(structure, G, d_K), self._times(structure, G.T, d_C)]
+            self.step_products += [self._times(spec, G, d_K), self._times(spec, G.T, d_C)]
             for d in (d_K, d_C):
                 a = torch.randn(rows, d)
                 square = torch.randn(d, d)
                 self.update_products += [
-                    self._times(structure, a, d),  # a K
-                    self._gram(structure, a),  # Π̂((aK)ᵀ(aK))
-                    self._gram(structure, square),  # Π̂(KᵀK)
-                    self._times(structure, square, d),  # K m
-                    self._times(structure, square, d),  # K Kᵀ
+                    self._times(spec, a, d),  # a K
+                    self._gram(spec, a),  # Π̂((aK)ᵀ(aK))
+                    self._gram(spec, square),  # Π̂(KᵀK)
+                    self._times(spec, square, d),  # K m
+                    self._times(spec, square, d),  # K Kᵀ
                 ]
         self.t = 0
         self.times: list[float] = []
         self.updates: list[bool] = []
 
     @staticmethod
-    def _times(structure: str, X, d: int) -> Callable[[], object]:
-        """X @ K for a factor K of dimension d in ``structure``."""
+    def _times(spec: str, X, d: int) -> Callable[[], object]:
+        """X @ K for a factor K of dimension d in structure ``spec``."""
         X = X.contiguous()
+        structure = spec.split(":")[0]
         if structure == "dense":
             K = torch.randn(d, d)
             return lambda: torch.mm(X, K)
         if structure == "block_diagonal":
-            b = int(OURS_SPEC[structure].split(":")[1])
+            b = int(spec.split(":")[1])
             n = d // b
             Xb = X[:, : n * b].reshape(-1, n, b).transpose(0, 1).contiguous()
             blocks, last = torch.randn(n, b, b), torch.randn(d - n * b, d - n * b)
             X_last = X[:, n * b :].contiguous()
             return lambda: (torch.bmm(Xb, blocks), torch.mm(X_last, last))
-        k1, k2 = (int(k) for k in OURS_SPEC[structure].split(":")[1].split(","))
+        k1, k2 = (int(k) for k in spec.split(":")[1].split(","))
         top, bottom = torch.randn(k1, d), torch.randn(k2, d)
         X1, X2 = X[:, :k1].contiguous(), X[:, -k2:].contiguous()
         return lambda: (torch.mm(X1, top), torch.mm(X2, bottom))
 
     @staticmethod
-    def _gram(structure: str, Y) -> Callable[[], object]:
-        """The products of Π̂(YᵀY) in ``structure``."""
+    def _gram(spec: str, Y) -> Callable[[], object]:
+        """The products of Π̂(YᵀY) in structure ``spec``."""
+        structure = spec.split(":")[0]
         if structure == "dense":
             return lambda: torch.mm(Y.T, Y)
         if structure == "block_diagonal":
-            b = int(OURS_SPEC[structure].split(":")[1])
+            b = int(spec.split(":")[1])
             d = Y.shape[1]
             n = d // b
             Yb = Y[:, : n * b].reshape(-1, n, b).transpose(0, 1).contiguous()
             Y_last = Y[:, n * b :].contiguous()
             return lambda: (torch.bmm(Yb.transpose(1, 2), Yb), torch.mm(Y_last.T, Y_last))
-        k1, k2 = (int(k) for k in OURS_SPEC[structure].split(":")[1].split(","))
+        k1, k2 = (int(k) for k in spec.split(":")[1].split(","))
         border = torch.cat([Y[:, :k1], Y[:, -k2:]], dim=1).T.contiguous()
         return lambda: torch.mm(border, Y)
 

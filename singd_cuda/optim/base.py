@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -92,6 +92,23 @@ class LayerRule(ABC):
         self, layer: Layer, group: dict, state: dict, pending: dict, step: int
     ) -> None:
         """Update the factors from the normalised, unscaled ``pending`` statistics."""
+
+    def group_key(self, layer: Layer, group: dict, state: dict) -> Hashable | None:
+        """Layers of one parameter group with equal keys update their factors (and, in
+        :meth:`apply_many`, precondition) as one stack (:mod:`.grouped`); None: alone."""
+        return None
+
+    def update_factors_many(
+        self,
+        layers: list[Layer],
+        group: dict,
+        states: list[dict],
+        pendings: list[dict],
+        step: int,
+    ) -> None:
+        """:meth:`update_factors` of layers of equal :meth:`group_key` (default: one by one)."""
+        for layer, state, pending in zip(layers, states, pendings, strict=True):
+            self.update_factors(layer, group, state, pending, step)
 
     def apply(
         self, layer: Layer, group: dict, states: list[dict], G: Tensor, step: int, seed: int
@@ -652,6 +669,7 @@ class KroneckerOptimizer(Optimizer):
     def _update_factors(self, layers: list[Layer]) -> bool:
         """Update the factors of ``layers`` from this step's statistics; False (and every
         factor as it was) when a result is not finite."""
+        stacks: dict[tuple, list[tuple[Layer, dict, dict]]] = {}
         for layer in layers:
             pending = self._pending.get(layer)
             if pending is None:
@@ -662,7 +680,17 @@ class KroneckerOptimizer(Optimizer):
             self._undo.save(state)
             if self._sync is not None and self._sync.distribute_factors:
                 rule.finish_shared(layer, group, state, pending)
-            rule.update_factors(layer, group, state, pending, group["step"])
+            key = rule.group_key(layer, group, state)
+            key = (self._layer_group[layer], id(layer) if key is None else key)
+            stacks.setdefault(key, []).append((layer, state, pending))
+        for (index, _), members in stacks.items():
+            group = self.param_groups[index]
+            stacked_layers, states, pendings = (
+                list(column) for column in zip(*members, strict=True)
+            )
+            self.rule_for(group).update_factors_many(
+                stacked_layers, group, states, pendings, group["step"]
+            )
         if self._finite.all_finite(self._undo.updated()):
             self._undo.clear()
             return True

@@ -44,3 +44,38 @@ class DerivedCache:
         entry = self._entries.get(id(layer))
         if entry is not None:
             entry[2] = False
+
+
+class GroupCache:
+    """Values derived from the factors of a group of layers (stacked K Kᵀ, C Cᵀ), kept
+    between factor updates: one entry per group, valid while its source tensors are the
+    same objects and no layer of the group had its factors updated since (:meth:`forget`).
+    A new entry drops the entries of other groups that share a layer with it, so that a
+    layer's values are held once."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[int, ...], tuple] = {}
+        self._versions: dict[int, int] = {}
+
+    def get(
+        self, layers: list[Layer], sources: tuple[Tensor, ...], derive: Callable[[], tuple]
+    ) -> tuple:
+        key = tuple(id(layer) for layer in layers)
+        versions = tuple(self._versions.get(i, 0) for i in key)
+        entry = self._entries.get(key)
+        if (
+            entry is not None
+            and entry[1] == versions
+            and all(a is b for a, b in zip(entry[0], sources, strict=True))
+        ):
+            return entry[2]
+        members = set(key)
+        for other in [k for k in self._entries if k != key and members.intersection(k)]:
+            del self._entries[other]
+        values = derive()
+        self._entries[key] = (sources, versions, values)
+        return values
+
+    def forget(self, layer: Layer) -> None:
+        """Mark the values of every group holding ``layer`` stale (its factors changed)."""
+        self._versions[id(layer)] = self._versions.get(id(layer), 0) + 1

@@ -24,8 +24,9 @@ from ..structures.diagonal import Diagonal
 from . import hyperparameters as hp
 from .adafisher import ADAFISHER, AdaFisherRule, DiagonalBatch
 from .base import KroneckerOptimizer, LayerRule, checked_fallback, scheduled, sgd_update_
-from .derived import DerivedCache
+from .derived import DerivedCache, GroupCache
 from .factor_memory import warn_large_factors
+from .grouped import StackedProduct, partition, stacked_gradients
 
 StructureSpec = str | type[StructuredMatrix]
 
@@ -55,6 +56,7 @@ class SingdRule(LayerRule):
     def __init__(self) -> None:
         self._squares = DerivedCache()  # diagonal path: DiagonalSquares between factor updates
         self._outer = DerivedCache()  # (C Cᵀ or None, K Kᵀ or None) between factor updates
+        self._stacked = GroupCache()  # the same of groups of layers, stacked
 
     def _classes(self, group: dict) -> tuple[type[StructuredMatrix], type[StructuredMatrix]]:
         K_spec, C_spec = group["structures"]
@@ -113,9 +115,29 @@ class SingdRule(LayerRule):
             pending["in"], pending["out"] = H_K, H_C
 
     def fuses_apply(self, group: dict) -> bool:
-        return self._diagonal(group)
+        return True
 
     def apply_many(self, layers, group, states, inv_scale, step: int, seed: int):
+        """Ĝ = (C Cᵀ) G (K Kᵀ) for every layer, then momentum SGD with weight decay on
+        every parameter in one :func:`~singd_cuda.optim.base.sgd_update_` call; layers of
+        equal :meth:`group_key` are preconditioned as one stack (:mod:`.grouped`)."""
+        if self._diagonal(group):
+            self._apply_diagonal(layers, group, states, inv_scale, seed)
+            return
+        params, directions, param_states = [], [], []
+        for part in partition(
+            range(len(layers)), lambda i: self._key_or_alone(layers[i], group, states[i])
+        ):
+            members = [layers[i] for i in part]
+            member_states = [states[i] for i in part]
+            naturals = self._natural_stacked(members, group, member_states, inv_scale, step)
+            for layer, layer_states, natural in zip(members, member_states, naturals, strict=True):
+                params += layer.params
+                directions += split_matrix(layer, natural)
+                param_states += layer_states
+        sgd_update_(params, directions, param_states, group, seed)
+
+    def _apply_diagonal(self, layers, group, states, inv_scale, seed: int) -> None:
         """:func:`singd_cuda.ops.diag_precond_step_` (mode "singd") over every layer:
         Ĝ = c² ⊙ G ⊙ k² and momentum SGD, in one pass over W, G and the buffers."""
         momentum = group["momentum"]
@@ -137,35 +159,39 @@ class SingdRule(LayerRule):
         )
         batch.write_back()
 
-    def _update_diagonal_factors(self, layer, state, pending, group: dict, step: int) -> None:
-        """The diagonal factor update of both sides in one :func:`diag_factor_update_`,
-        its scalars in the layer's cached buffers (no allocation)."""
-        k, c = state["K"]["diag"], state["C"]["diag"]
-        acc = torch.float64 if k.dtype == torch.float64 else torch.float32
-        h_K = pending["in"].parts["diag"].to(acc)
-        h_C = pending["out"].parts["diag"].to(acc)
-        squares = self._squares.get(layer, (c, k), _squares)
-        if group["kfac_like"]:
-            alpha1, a, b = 0.0, (), ()
-        else:
-            alpha1 = group["alpha1"]
-            means = squares.means  # tr̄(H) of the other side
-            torch.sum(h_C, 0, keepdim=True, out=means[0:1])
-            torch.sum(h_K, 0, keepdim=True, out=means[1:2])
-            means.mul_(squares.inv_dims)
-            a = (means[0:1], means[1:2])
-            b = (squares.traces[0:1], squares.traces[1:2])  # tr̄(Π̂(otherᵀ other))
+    def _update_diagonal_factors(self, layers, states, pendings, group: dict, step: int) -> None:
+        """The diagonal factor update of both sides of every layer in one
+        :func:`diag_factor_update_`, its scalars in the layers' cached buffers (no
+        allocation)."""
+        factors, momenta, h, a, b = [], [], [], [], []
+        for layer, state, pending in zip(layers, states, pendings, strict=True):
+            k, c = state["K"]["diag"], state["C"]["diag"]
+            acc = torch.float64 if k.dtype == torch.float64 else torch.float32
+            h_K = pending["in"].parts["diag"].to(acc)
+            h_C = pending["out"].parts["diag"].to(acc)
+            factors += [k, c]
+            momenta += [state["m_K"]["diag"], state["m_C"]["diag"]]
+            h += [h_K, h_C]
+            if not group["kfac_like"]:
+                squares = self._squares.get(layer, (c, k), _squares)
+                means = squares.means  # tr̄(H) of the other side
+                torch.sum(h_C, 0, keepdim=True, out=means[0:1])
+                torch.sum(h_K, 0, keepdim=True, out=means[1:2])
+                means.mul_(squares.inv_dims)
+                a += [means[0:1], means[1:2]]
+                b += [squares.traces[0:1], squares.traces[1:2]]  # tr̄(Π̂(otherᵀ other))
         ops.diag_factor_update_(
-            [k, c],
-            [state["m_K"]["diag"], state["m_C"]["diag"]],
-            [h_K, h_C],
+            factors,
+            momenta,
+            h,
             a,
             b,
-            alpha1=alpha1,
+            alpha1=0.0 if group["kfac_like"] else group["alpha1"],
             beta1=scheduled(group["lr_cov"], step),
             damping=scheduled(group["damping"], step),
         )
-        self._squares.forget(layer)  # read above; the factors changed
+        for layer in layers:
+            self._squares.forget(layer)  # read above; the factors changed
 
     def accumulate_shared(self, layer, group, pending, a: Tensor, g: Tensor) -> None:
         """K-free statistics Π̂(aᵀa), Π̂(gᵀg) (dense Gram for structures that need it);
@@ -183,12 +209,64 @@ class SingdRule(LayerRule):
         pending["in"] = congruence(f["K"], pending["in"])
         pending["out"] = congruence(f["C"], pending["out"])
 
-    def update_factors(self, layer, group, state, pending, step: int) -> None:
-        self._outer.forget(layer)
-        if self._diagonal(group) and not group["normalize_lr_cov"]:
-            self._update_diagonal_factors(layer, state, pending, group, step)
+    # ------------------------------------------- layers of equal shapes as one stack
+    def group_key(self, layer, group, state):
+        """(d_K, d_C, dtypes, device) for structures with a stacked path, else None."""
+        S_K, S_C = self._classes(group)
+        if S_K.name not in _STACKED or S_C.name not in _STACKED:
+            return None
+        dtypes = tuple(part.dtype for side in _SIDES for part in state[side].values())
+        return (layer.dim_in, layer.dim_out, layer.weight.dtype, layer.weight.device, dtypes)
+
+    def _key_or_alone(self, layer, group, states):
+        key = self.group_key(layer, group, states[0])
+        return id(layer) if key is None else key
+
+    def update_factors_many(self, layers, group, states, pendings, step: int) -> None:
+        """Every layer's :meth:`update_factors`, as one stack: one op call per operation
+        (``torch.func.vmap`` over the per-layer math) instead of one per layer."""
+        if group["normalize_lr_cov"] or len(layers) == 1:  # normalize: a per-layer max
+            super().update_factors_many(layers, group, states, pendings, step)
             return
+        for layer in layers:
+            self._forget(layer)
+        if self._diagonal(group):
+            self._update_diagonal_factors(layers, states, pendings, group, step)
+            return
+        S_K, S_C = self._classes(group)
+        update = partial(
+            _stacked_factor_update,
+            S_K,
+            S_C,
+            layers[0].dim_in,
+            layers[0].dim_out,
+            damping=scheduled(group["damping"], step),
+            lr_cov=scheduled(group["lr_cov"], step),
+            alpha1=0.0 if group["kfac_like"] else group["alpha1"],
+            kfac_like=group["kfac_like"],
+        )
+        factors = {side: _stack([state[side] for state in states]) for side in _SIDES}
+        H_K = _stack([pending["in"].parts for pending in pendings])
+        H_C = _stack([pending["out"].parts for pending in pendings])
+        new = torch.func.vmap(update)(factors, H_K, H_C)
+        targets, sources = [], []
+        for side in _SIDES:
+            for name, stacked in new[side].items():
+                targets += [state[side][name] for state in states]
+                sources += list(stacked.unbind(0))
+        torch._foreach_copy_(targets, sources)
+
+    def _forget(self, layer) -> None:
+        """Mark every value derived from the layer's factors stale."""
+        self._outer.forget(layer)
         self._squares.forget(layer)
+        self._stacked.forget(layer)
+
+    def update_factors(self, layer, group, state, pending, step: int) -> None:
+        self._forget(layer)
+        if self._diagonal(group) and not group["normalize_lr_cov"]:
+            self._update_diagonal_factors([layer], [state], [pending], group, step)
+            return
         f = self._factors(layer, group, state)
         K, C, H_K, H_C = f["K"], f["C"], pending["in"], pending["out"]
         dtype = accumulation_dtype(K.dtype, C.dtype, H_K.dtype)
@@ -220,35 +298,116 @@ class SingdRule(LayerRule):
             factor = f[side]
             factor.add_(factor @ m, alpha=-beta1)
 
-    def _outer_products(self, layer, group, state, f, step: int):
-        """(C Cᵀ, K Kᵀ), each cached until the next factor update, or None for a side
-        whose structure has no cheap form of it or where forming it costs more than the
-        T steps it would save: with w nonzeros per row, forming is d·w² and each step
-        saves one d·w·d_other product, so a side is cached when 2w <= T·d_other."""
+    def _derive_outer(self, layer, group, f, step: int) -> tuple:
+        """(C Cᵀ, K Kᵀ), or None for a side whose structure has no cheap form of it or
+        where forming it costs more than the T steps it would save: with w nonzeros per
+        row, forming is d·w² and each step saves one d·w·d_other product, so a side is
+        formed when 2w <= T·d_other."""
         period = scheduled(group["T"], step)
+        pair = []
+        for side, other_dim in (("C", layer.dim_in), ("K", layer.dim_out)):
+            factor = f[side]
+            worth = 2 * type(factor).row_width(factor.dim) <= period * other_dim
+            cheap = type(factor).has_times_transpose(factor.dim)
+            pair.append(factor.times_transpose() if worth and cheap else None)
+        return tuple(pair)
+
+    def _outer_products(self, layer, group, state, f, step: int):
+        """:meth:`_derive_outer`, cached until the next factor update."""
 
         def derive(*_, out):  # new structured matrices: the old ones are not reused
-            pair = []
-            for side, other_dim in (("C", layer.dim_in), ("K", layer.dim_out)):
-                factor = f[side]
-                worth = 2 * type(factor).row_width(factor.dim) <= period * other_dim
-                cheap = type(factor).has_times_transpose(factor.dim)
-                pair.append(factor.times_transpose() if worth and cheap else None)
-            return tuple(pair)
+            return self._derive_outer(layer, group, f, step)
 
         sources = (*state["C"].values(), *state["K"].values())
         return self._outer.get(layer, sources, derive)
 
-    def apply(self, layer, group, states, G: Tensor, step: int, seed: int) -> None:
-        """Ĝ = (C Cᵀ) G (K Kᵀ), then momentum SGD with weight decay on each parameter."""
-        f = self._factors(layer, group, states[0])
+    def _stacked_outer(self, layers, group, states, step: int):
+        """(C Cᵀ, K Kᵀ) of every layer as :class:`~.grouped.StackedProduct`, cached
+        until the next factor update of any of them; (None, None) where a layer's side
+        has no stackable form (those layers are preconditioned one by one)."""
+
+        def derive():
+            pairs = [
+                self._derive_outer(layer, group, self._factors(layer, group, s[0]), step)
+                for layer, s in zip(layers, states, strict=True)
+            ]
+            if not all(StackedProduct.stackable(p) for pair in pairs for p in pair):
+                return (None, None)
+            return tuple(StackedProduct.stack(side) for side in zip(*pairs, strict=True))
+
+        sources = tuple(t for s in states for side in ("C", "K") for t in s[0][side].values())
+        return self._stacked.get(layers, sources, derive)
+
+    def _natural_stacked(self, layers, group, states, inv_scale, step: int) -> list[Tensor]:
+        """Ĝ = (C Cᵀ) G (K Kᵀ) (d_C x d_K, unscaled) of layers of equal group key."""
+        G = stacked_gradients(layers, accumulation_dtype(layers[0].weight.dtype))
+        if inv_scale is not None:
+            G.mul_(inv_scale.to(G.dtype))
+        CCt, KKt = (None, None)
+        if len(layers) > 1:
+            CCt, KKt = self._stacked_outer(layers, group, states, step)
+        if CCt is None:
+            return [
+                self._natural(layer, group, s[0], G_l, step)
+                for layer, s, G_l in zip(layers, states, G.unbind(0), strict=True)
+            ]
+        # K side first (G K Kᵀ = (K Kᵀ Gᵀ)ᵀ), C side last: Ĝ comes out row-major like the
+        # parameters
+        return list(CCt.matmul(KKt.matmul_transposed(G)).unbind(0))
+
+    def _natural(self, layer, group, state, G: Tensor, step: int) -> Tensor:
+        """Ĝ = (C Cᵀ) G (K Kᵀ) of one layer, for G (d_C, d_K)."""
+        f = self._factors(layer, group, state)
         K, C = f["K"], f["C"]
-        CCt, KKt = self._outer_products(layer, group, states[0], f, step)
+        CCt, KKt = self._outer_products(layer, group, state, f, step)
         # K side first on Gᵀ, C side last: Ĝ comes out row-major like the parameters, so
         # the update epilogue reads it without a transposing copy
         right = K.matmul(K.rmatmul(G.T)) if KKt is None else KKt.matmul(G.T)  # (G K Kᵀ)ᵀ
-        natural = C.matmul(C.rmatmul(right.T)) if CCt is None else CCt.matmul(right.T)
-        sgd_update_(layer.params, split_matrix(layer, natural), states, group, seed)
+        return C.matmul(C.rmatmul(right.T)) if CCt is None else CCt.matmul(right.T)
+
+
+_SIDES = ("K", "m_K", "C", "m_C")
+_STACKED = ("dense", "block_diagonal", "hierarchical", "diagonal")  # vmap-safe structures
+
+
+def _stack(parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """Per-layer parts stacked along a new leading dimension (one copy per part name)."""
+    return {name: torch.stack([p[name] for p in parts]) for name in parts[0]}
+
+
+def _stacked_factor_update(S_K, S_C, d_K: int, d_C: int, factors, H_K, H_C, **hyper):
+    """One layer's SINGD factor update as a function of its parts (vmapped over a stack
+    by :meth:`SingdRule.update_factors_many`); the math of :meth:`SingdRule.update_factors`
+    with the trace scales kept as tensors. Returns the new parts {side: {name: tensor}}."""
+    f = {
+        side: (S_K if side.endswith("K") else S_C)(d_K if side.endswith("K") else d_C, **parts)
+        for side, parts in factors.items()
+    }
+    H_K, H_C = S_K(d_K, **H_K), S_C(d_C, **H_C)
+    K, C = f["K"], f["C"]
+    dtype = accumulation_dtype(K.dtype, C.dtype, H_K.dtype)
+    KtK = K.project_inner().to(dtype)
+    CtC = C.project_inner().to(dtype)
+    damping, alpha1 = hyper["damping"], hyper["alpha1"]
+    if hyper["kfac_like"]:
+        scales = (1.0, 1.0, 1.0, 1.0)
+    else:
+        scales = (
+            H_C.average_trace(),
+            CtC.average_trace(),
+            H_K.average_trace(),
+            KtK.average_trace(),
+        )
+    for side, H, scale_H, inner, scale_inner in (
+        ("K", H_K.to(dtype), scales[0], KtK, scales[1]),
+        ("C", H_C.to(dtype), scales[2], CtC, scales[3]),
+    ):
+        m_hat = H.mul_(scale_H * 0.5).add_(inner.mul_(scale_inner * (0.5 * damping)))
+        m_hat.add_identity_(-0.5)
+        m = f[f"m_{side}"].mul_(alpha1).add_(m_hat)
+        factor = f[side]
+        factor.add_(factor @ m, alpha=-hyper["lr_cov"])
+    return {side: matrix.parts for side, matrix in f.items()}
 
 
 class DiagonalSquares(NamedTuple):

@@ -156,7 +156,7 @@ class Hierarchical(StructuredMatrix):
         strip[:, :m] += B[:, :m] * c2
         parts = {
             "A": A @ A2,
-            "B": strip.addmm_(A, B2),
+            "B": torch.addmm(strip, A, B2),
             "c": c * c2,
             "D": torch.addmm(D * c2, E, D2),
             "E": E @ E2,

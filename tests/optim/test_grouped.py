@@ -1,0 +1,173 @@
+"""Layers of equal shapes, structures and dtypes are updated and preconditioned as one
+stack (singd_cuda/optim/grouped.py): the result equals the per-layer path in float64, the
+checkpoint layout stays per parameter, and a non-finite stacked factor update restores
+every factor."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import singd_cuda.ops as ops
+import singd_cuda.optim.singd as singd_module
+from singd_cuda import SINGD
+from singd_cuda.optim.grouped import StackedProduct
+
+T = 3
+CASES = {
+    "dense": dict(structures="dense"),
+    "block_diagonal": dict(structures="block_diagonal:5"),
+    "hierarchical": dict(structures="hierarchical:3,2"),
+    "diagonal": dict(structures="diagonal"),
+    "mixed-sides": dict(structures=("hierarchical:2,3", "block_diagonal:4")),
+    "kfac_like-dense": dict(structures="dense", kfac_like=True),
+    "kfac_like-block_diagonal": dict(structures="block_diagonal:5", kfac_like=True),
+}
+
+
+class Stack(nn.Module):
+    """Mixed shapes: three 12 → 12 layers with bias, two without, a 3 x 3 conv pair and
+    layers of their own shape (the first and the head), as in a repeated-block model."""
+
+    def __init__(self, dtype=torch.float64) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Sequential(
+            nn.Conv2d(2, 4, 3, padding=1), nn.Tanh(), nn.Conv2d(4, 4, 3, padding=1), nn.Tanh()
+        )
+        self.first = nn.Linear(4 * 3 * 3, 12)
+        self.body = nn.Sequential(
+            *(m for _ in range(3) for m in (nn.Linear(12, 12), nn.Tanh())),
+            *(m for _ in range(2) for m in (nn.Linear(12, 12, bias=False), nn.Tanh())),
+        )
+        self.head = nn.Linear(12, 5)
+        self.to(dtype)
+
+    def forward(self, x):
+        return self.head(self.body(self.first(self.conv(x).flatten(1))))
+
+
+def batches(n: int, dtype=torch.float64, scale: float = 1.0):
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(8, 2, 3, 3, generator=g, dtype=dtype) * scale, torch.randn(8, 5, generator=g))
+        for _ in range(n)
+    ]
+
+
+def train(model, opt, data) -> None:
+    for x, y in data:
+        opt.zero_grad()
+        ((model(x) - y.to(x.dtype)) ** 2).mean().backward()
+        opt.step()
+
+
+def per_layer(opt: SINGD) -> SINGD:
+    """The reference: no two layers share a group key, so each runs the per-layer path."""
+    opt._rules["singd"].group_key = lambda *args: None
+    return opt
+
+
+def make(model, **hyper) -> SINGD:
+    return SINGD(model, lr=0.05, T=T, lr_cov=0.1, **hyper)
+
+
+@pytest.fixture
+def stacked_calls(monkeypatch) -> dict[str, int]:
+    """Counts the stacked factor updates, stacked products and multi-layer diagonal
+    factor updates, so that a test sees the stacked path run."""
+    calls = {"update": 0, "matmul": 0, "diagonal": 0}
+    update, matmul = singd_module._stacked_factor_update, StackedProduct.matmul
+    diagonal = ops.diag_factor_update_
+
+    def count_update(*args, **kwargs):
+        calls["update"] += 1
+        return update(*args, **kwargs)
+
+    def count_matmul(self, X):
+        calls["matmul"] += 1
+        return matmul(self, X)
+
+    def count_diagonal(k, *args, **kwargs):
+        calls["diagonal"] += len(k) > 2  # more than one layer's two sides
+        return diagonal(k, *args, **kwargs)
+
+    monkeypatch.setattr(singd_module, "_stacked_factor_update", count_update)
+    monkeypatch.setattr(StackedProduct, "matmul", count_matmul)
+    monkeypatch.setattr(singd_module.ops, "diag_factor_update_", count_diagonal)
+    return calls
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_stacked_equals_per_layer_in_float64(case, stacked_calls):
+    data = batches(2 * T + 2)
+    models = [Stack(), Stack()]
+    opts = [make(models[0], **CASES[case]), per_layer(make(models[1], **CASES[case]))]
+    train(models[0], opts[0], data)
+    counted = dict(stacked_calls)
+    train(models[1], opts[1], data)
+    assert stacked_calls == counted  # the reference stacked nothing
+    if case == "diagonal":
+        assert counted["diagonal"] > 0
+    else:
+        assert counted["update"] > 0 and counted["matmul"] > 0
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    states = [opt.state_dict()["state"] for opt in opts]
+    assert states[0].keys() == states[1].keys()
+    for index in states[0]:
+        for key, value in states[0][index].items():
+            if isinstance(value, dict):
+                for name, part in value.items():
+                    other = states[1][index][key][name]
+                    torch.testing.assert_close(part, other, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", ["dense", "hierarchical", "diagonal"])
+def test_checkpoint_round_trip_keeps_the_per_parameter_layout(case):
+    data = batches(3 * T, torch.float32)
+    model = Stack(torch.float32)
+    opt = make(model, **CASES[case])
+    train(model, opt, data[: T + 1])
+    saved = copy.deepcopy(opt.state_dict())
+    weight = dict(model.named_parameters())["body.0.weight"]
+    index = next(
+        i for i, p in enumerate(p for g in opt.param_groups for p in g["params"]) if p is weight
+    )
+    assert set(saved["state"][index]) >= {"K", "m_K", "C", "m_C", "momentum_buffer"}
+    assert saved["state"][index]["momentum_buffer"].shape == weight.shape
+
+    resumed_model = Stack(torch.float32)
+    resumed_model.load_state_dict(model.state_dict())
+    resumed = make(resumed_model, **CASES[case])
+    resumed.load_state_dict(saved)
+    train(model, opt, data[T + 1 :])
+    train(resumed_model, resumed, data[T + 1 :])
+    for a, b in zip(model.parameters(), resumed_model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_nonfinite_stacked_factor_update_restores_every_factor(stacked_calls):
+    """float16 factors, IKFAC (no trace normalisation), T = 1: inputs scaled by 1e3 give
+    finite statistics whose factor momentum overflows float16 in the stacked update."""
+    model = Stack(torch.float32)
+    opt = SINGD(model, lr=0.05, T=1, structures="dense", kfac_like=True, factor_dtype=torch.float16)
+    (x, y), (x2, y2) = batches(2, torch.float32)
+    train(model, opt, [(x, y)])
+    params = [p.detach().clone() for p in model.parameters()]
+    state = copy.deepcopy(opt.state_dict())
+    updates = stacked_calls["update"]
+    with pytest.warns(RuntimeWarning, match="non-finite"):
+        train(model, opt, [(x2 * 1e3, y2)])
+    assert stacked_calls["update"] > updates
+    for before, after in zip(params, model.parameters(), strict=True):
+        assert torch.equal(before, after)
+    after = opt.state_dict()
+    for index, entry in state["state"].items():
+        for key, value in entry.items():
+            if isinstance(value, dict):
+                for name, part in value.items():
+                    assert torch.equal(part, after["state"][index][key][name])
