@@ -7,8 +7,9 @@ L(a) L(b) = L(a * b) and U(a) U(b) = U(a * b), with ``*`` the polynomial
 product truncated to d terms.
 
 Fast paths (no d x d temporary, O(n d log d) work) use real FFTs of a length
-L >= 2d - 1, so circular convolutions equal the linear ones on the d entries
-kept:
+N >= 2d - 1 - 64 (a power of two where possible): circular convolutions equal
+the linear ones on the d entries kept except at most 64 that wrap around,
+which are computed directly:
 
 - L(c) X is the causal convolution of c with each column of X, Lᵀ X the
   anticausal one: Lᵀ = J L J with J the reversal.
@@ -23,9 +24,12 @@ kept:
   S_j (KᵀK = L Lᵀ = J (Lᵀ L) J, and the reversal maps the j-th diagonal onto
   the -j-th, which has the same sum for a symmetric matrix).
 
-On the CPU the FFTs run over chunks of rows in reused buffers (cache-sized
-working set, few large allocations). Half-precision storage is upcast to
-float32 before any FFT; float64 stays in float64.
+- K Kᵀ X (the preconditioner's product): both convolutions on each chunk of rows
+  in one pass, with the spectrum of c computed once per factor update.
+
+On the CPU the FFTs run over chunks of rows (a cache-sized working set).
+Half-precision storage is upcast to float32 before any FFT; float64 stays in
+float64.
 """
 
 from __future__ import annotations
