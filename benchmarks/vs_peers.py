@@ -83,7 +83,10 @@ PEER_SPEC = {  # PyPI singd 0.0.5 names; it has no AdaFisher
     "tril_toeplitz": "triltoeplitz",
 }
 DTYPES = {"float32": None, "bf16-autocast": torch.bfloat16}
-TARGET_VS_PEER = 0.5  # ours / singd 0.0.5 at T = 10, every shared structure
+# ours / singd 0.0.5 at T = 10 (issue 12, re-scoped from 0.5): with cached K Kᵀ the exact
+# work of a dense period is about 26 d³ against singd's 44 d³, a bound near 0.59
+TARGET_VS_PEER = 0.65
+PEER_TARGET_STRUCTURES = ("dense", "block_diagonal", "hierarchical")
 TARGET_TOEPLITZ_VS_PEER = 0.05
 TARGET_VS_ADAMW = 1.0  # ours diagonal / adafisher step vs AdamW (foreach)
 
@@ -431,6 +434,7 @@ def run_block(kind, dtype_name, T, structures, competitors, steps, warmup) -> li
                     cache_bytes=cache_bytes(r.opt) if r.opt is not None else -1,
                     alloc_count=count,
                     alloc_bytes=size,
+                    grad_bytes=sum(p.numel() * p.element_size() for p in r.model.parameters()),
                     error=r.error,
                     products_ms=(
                         amortized_ms(products[r.structure].times, products[r.structure].updates, T)
@@ -473,14 +477,43 @@ def targets(rows: list[dict]) -> list[str]:
         if row["name"] != "ours" or row["error"]:
             continue
         where = f"{row['model']} {row['dtype']} T={row['T']} {row['structure']}"
-        if row["T"] == 10 and row["structure"] in PEER_SPEC:
+        shared = row["structure"] in (*PEER_TARGET_STRUCTURES, "tril_toeplitz")
+        if row["T"] == 10 and shared and row["vs_peer"] == row["vs_peer"]:
             goal = (
                 TARGET_TOEPLITZ_VS_PEER if row["structure"] == "tril_toeplitz" else TARGET_VS_PEER
             )
             ok = row["vs_peer"] <= goal
             verdict = "met" if ok else "MISSED"
+            bound = ""
+            if row["products_ms"] == row["products_ms"]:
+                peer_ms = row["overhead_ms"] / row["vs_peer"]
+                bound = f"; the products alone: {fmt(row['products_ms'] / peer_ms)}"
             lines.append(
-                f"- {verdict}: ours/singd (stats + step) {fmt(row['vs_peer'])} <= {goal} ({where})"
+                f"- {verdict}: ours/singd (stats + step) {fmt(row['vs_peer'])} <= {goal} "
+                f"({where}{bound})"
+            )
+        dense = next(
+            (
+                r
+                for r in rows
+                if r["name"] == "ours"
+                and r["structure"] == "dense"
+                and (r["model"], r["dtype"], r["T"]) == (row["model"], row["dtype"], row["T"])
+            ),
+            None,
+        )
+        if row["structure"] == "tril_toeplitz" and dense is not None and not dense["error"]:
+            ok = row["overhead_ms"] <= dense["overhead_ms"]
+            lines.append(
+                f"- {'met' if ok else 'MISSED'}: tril_toeplitz (stats + step) "
+                f"{fmt(row['overhead_ms'])} ms <= dense {fmt(dense['overhead_ms'])} ms ({where})"
+            )
+        if row["structure"] not in ("diagonal", "adafisher"):
+            ok = row["alloc_bytes"] <= row["grad_bytes"]
+            lines.append(
+                f"- {'met' if ok else 'MISSED'}: {row['alloc_bytes'] / 1024:.0f} KiB allocated "
+                f"per steady-state step <= one gradient ({row['grad_bytes'] / 1024:.0f} KiB) "
+                f"({where})"
             )
         if row["structure"] in ("diagonal", "adafisher"):
             ok = row["vs_foreach"] <= TARGET_VS_ADAMW
@@ -509,7 +542,9 @@ def report(rows: list[dict], args, elapsed: float) -> str:
         f"machine: {platform.machine()}, "
         f"{platform.processor() or platform.platform()}, {os.cpu_count()} cores, "
         f"torch {torch.__version__} ({torch.get_num_threads()} threads); run took {elapsed:.0f} s; "
-        f"{args.steps} timed steps per competitor (after {args.warmup} warm-up), interleaved.",
+        f"{args.steps} timed steps per competitor (after {args.warmup} warm-up), interleaved; "
+        f"load average (1 min) before / after: {args.load[0]:.2f} / {os.getloadavg()[0]:.2f} "
+        "(other processes on the machine add noise).",
         "",
         "Times in ms per step, amortized over a period of T steps: ((T - 1) x the median "
         "step without a curvature update + the median update step) / T (the plain median "
@@ -546,7 +581,7 @@ def report(rows: list[dict], args, elapsed: float) -> str:
         "Plain model forward + backward (median ms): "
         + "; ".join(f"{m} {d} T={t}: {fmt(v)}" for (m, d, t), v in plain.items()),
         "",
-        "## Targets (issue 4, CPU)",
+        "## Targets (issues 4 and 12, CPU)",
         "",
         *targets(rows),
     ]
@@ -587,6 +622,7 @@ def main(argv=None) -> int:
 
     ops.fused_available("cpu")  # build / load before timing
     start = time.perf_counter()
+    args.load = os.getloadavg()
     rows: list[dict] = []
     for kind in args.models:
         for dtype_name in args.dtypes:

@@ -220,6 +220,8 @@ class SymmetricArrow:
         and c² ⊙ X₂ plus a rank-(k1+k2) update for the middle."""
         out_dtype = torch.promote_types(self.border.dtype, X.dtype)
         X = upcast(X, out_dtype)
+        if X.dim() == 2 and not X.is_contiguous() and X.T.is_contiguous():
+            return self._transposed_matmul(X.T)
         k1, s = self.k1, self.k1 + self.middle.shape[0]
         X_border = torch.cat([X[:k1], X[s:]])
         rows = self.border.to(out_dtype) @ X
@@ -228,3 +230,17 @@ class SymmetricArrow:
         middle = torch.mul(self.middle.to(out_dtype)[:, None], X[k1:s], out=out[k1:s])
         middle.addmm_(self.border[:, k1:s].to(out_dtype).T, X_border)
         return out
+
+    def _transposed_matmul(self, Xt: Tensor) -> Tensor:
+        """P @ Xtᵀ for a contiguous Xt (n, d) (P @ Gᵀ in the preconditioner), as the
+        transposed view of Xt P (P symmetric): every operation reads and writes rows, where
+        the layout of P @ X would make the elementwise middle stride through Xt's columns."""
+        k1, s = self.k1, self.k1 + self.middle.shape[0]
+        border = self.border.to(Xt.dtype)
+        X_border = torch.cat([Xt[:, :k1], Xt[:, s:]], dim=1)  # (n, k1 + k2)
+        rows = Xt @ border.T  # (n, k1 + k2): the border columns of Xt P
+        out = Xt.new_empty(Xt.shape)
+        out[:, :k1], out[:, s:] = rows[:, :k1], rows[:, k1:]
+        middle = torch.mul(Xt[:, k1:s], self.middle.to(Xt.dtype), out=out[:, k1:s])
+        middle.addmm_(X_border, border[:, k1:s])
+        return out.T

@@ -7,8 +7,9 @@ L(a) L(b) = L(a * b) and U(a) U(b) = U(a * b), with ``*`` the polynomial
 product truncated to d terms.
 
 Fast paths (no d x d temporary, O(n d log d) work) use real FFTs of a length
-L >= 2d - 1, so circular convolutions equal the linear ones on the d entries
-kept:
+N >= 2d - 1 - 64 (a power of two where possible): circular convolutions equal
+the linear ones on the d entries kept except at most 64 that wrap around,
+which are computed directly:
 
 - L(c) X is the causal convolution of c with each column of X, Lᵀ X the
   anticausal one: Lᵀ = J L J with J the reversal.
@@ -23,9 +24,12 @@ kept:
   S_j (KᵀK = L Lᵀ = J (Lᵀ L) J, and the reversal maps the j-th diagonal onto
   the -j-th, which has the same sum for a symmetric matrix).
 
-On the CPU the FFTs run over chunks of rows in reused buffers (cache-sized
-working set, few large allocations). Half-precision storage is upcast to
-float32 before any FFT; float64 stays in float64.
+- K Kᵀ X (the preconditioner's product): both convolutions on each chunk of rows
+  in one pass, with the spectrum of c computed once per factor update.
+
+On the CPU the FFTs run over chunks of rows (a cache-sized working set).
+Half-precision storage is upcast to float32 before any FFT; float64 stays in
+float64.
 """
 
 from __future__ import annotations
@@ -37,14 +41,17 @@ from torch import Tensor
 
 from .base import SMALL_DENSE_DIM, StructuredMatrix, accumulation_dtype, upcast
 
-# The last lags of an autocorrelation are summed directly (see _lagged_products_sum).
+# At most this many outputs of a product wrap around in the FFT's circular
+# convolution and are computed directly (see _fft_length), and the last lags of an
+# autocorrelation are summed directly (see _lagged_products_sum).
 _DIRECT_TAIL = 64
-# CPU FFTs run over chunks of rows whose padded signals hold about this many floats.
-_CHUNK_ELEMENTS = 1 << 20
+# CPU FFTs run over chunks of rows whose padded signals hold about this many values
+# (1 MiB in float32: a chunk stays in cache through all its FFTs).
+_CHUNK_ELEMENTS = 1 << 18
 
 
-def _fft_length(n: int) -> int:
-    """The smallest 5-smooth integer >= n (a fast FFT size)."""
+def _smooth_length(n: int) -> int:
+    """The smallest 5-smooth integer >= n."""
     best = 1
     while best < n:
         best *= 2
@@ -64,6 +71,21 @@ def _fft_length(n: int) -> int:
     return best
 
 
+def _fft_length(d: int) -> int:
+    """The FFT length N for products of d-vectors: N >= 2d - 1 - _DIRECT_TAIL.
+
+    A linear convolution of two d-vectors has 2d - 1 terms; a circular one of
+    length N = 2d - 1 - e wraps the last e onto the first e outputs, which are then
+    computed directly (e <= _DIRECT_TAIL). A power of two unless a 5-smooth length
+    is clearly shorter: FFTs of other lengths run markedly slower (d = 513 with 1080
+    points takes about 1.5x the time of d = 512 with 1024).
+    """
+    need = max(2 * d - 1 - _DIRECT_TAIL, 1)
+    power = 1 << (need - 1).bit_length()
+    smooth = _smooth_length(need)
+    return smooth if 5 * smooth <= 4 * power else power
+
+
 def _diagonal_sums(M: Tensor) -> Tensor:
     """s of length 2d - 1 with s[d - 1 + j] = Σ_{i - k = j} M[i, k], j in (-d, d).
 
@@ -78,53 +100,67 @@ def _diagonal_sums(M: Tensor) -> Tensor:
 
 
 def _rows_per_chunk(rows: int, n_fft: int, device: torch.device) -> int:
-    """Rows per batch of FFTs: on the CPU, about _CHUNK_ELEMENTS floats of padded
-    signal, so the working set stays in cache (all 256 rows up to d = 2048);
-    elsewhere all rows."""
+    """Rows per batch of FFTs: on the CPU, about _CHUNK_ELEMENTS values of padded
+    signal (at least 8 rows), so that a chunk stays in cache; elsewhere all rows."""
     if device.type != "cpu":
         return max(rows, 1)
-    return min(max(rows, 1), max(32, _CHUNK_ELEMENTS // n_fft))
+    return min(max(rows, 1), max(8, _CHUNK_ELEMENTS // n_fft))
 
 
-def _fft_buffers(X: Tensor, step: int, n_fft: int) -> tuple[Tensor, Tensor]:
-    """A (step, n_fft) real buffer and a (step, n_fft // 2 + 1) complex one.
-
-    Reused across chunks (rfft/irfft write into them with ``out=``): fewer large
-    allocations, which glibc may otherwise map and fault in afresh on every call.
-    """
-    padded = X.new_empty((step, n_fft))
-    spectrum = torch.empty((step, n_fft // 2 + 1), dtype=X.dtype.to_complex(), device=X.device)
-    return padded, spectrum
+def _lower_dense(c: Tensor, e: int) -> Tensor:
+    """The leading e x e block of L(c): entry (i, k) = c[i - k] for i >= k, else 0."""
+    index = torch.arange(e, device=c.device)
+    lag = index.unsqueeze(1) - index.unsqueeze(0)
+    return torch.where(lag >= 0, c[lag.clamp_min(0)], c.new_zeros(()))
 
 
-def _toeplitz_apply(c: Tensor, X: Tensor, transpose: bool) -> Tensor:
-    """Every row x of X (n, d) replaced by L(c) x, or by L(c)ᵀ x with ``transpose``.
+class _Convolver:
+    """Products of L(c) (d x d, lower triangular Toeplitz) with the rows of a matrix.
 
-    L(c) x is the causal convolution y[i] = Σ_{m<=i} c[m] x[i - m]; L(c)ᵀ x is the
+    For a row x (1 x d), "conv" gives x L(c)ᵀ = (L(c) xᵀ)ᵀ, the causal convolution
+    y[i] = Σ_{k<=i} c[k] x[i - k]; "corr" gives x L(c) = (L(c)ᵀ xᵀ)ᵀ, the
     correlation y[k] = Σ_m c[m] x[k + m], the same product with conj(rfft(c)).
-    Returns an (n, d) tensor with contiguous rows.
+    With N = 2d - 1 - e (see _fft_length) the circular convolution wraps onto the
+    first e outputs of "conv" and the last e of "corr"; those involve only the
+    first (last) e inputs and the leading e x e block of L(c), so they are
+    recomputed from the input of each product. ``c`` is in the accumulation dtype.
     """
-    rows, d = X.shape
-    n_fft = _fft_length(2 * d - 1)
-    C = torch.fft.rfft(c, n=n_fft)
-    if transpose:
-        C = C.conj()
-    X = X.contiguous()  # a transposed view: one transposing copy, then row copies
-    step = _rows_per_chunk(rows, n_fft, X.device)
-    padded, spectrum = _fft_buffers(X, step, n_fft)
-    out = None if step >= rows else X.new_empty((rows, d))
-    for start in range(0, rows, step):
-        stop = min(rows, start + step)
-        signal, spec = padded[: stop - start], spectrum[: stop - start]
-        signal[:, :d].copy_(X[start:stop])
-        signal[:, d:].zero_()  # the padding (the irfft below overwrites it)
-        torch.fft.rfft(signal, out=spec)
-        spec.mul_(C)
-        torch.fft.irfft(spec, n=n_fft, out=signal)
-        if out is None:
-            return signal[:, :d]
-        out[start:stop] = signal[:, :d]
-    return out
+
+    def __init__(self, c: Tensor) -> None:
+        self.d = c.shape[0]
+        self.n_fft = _fft_length(self.d)
+        self.spectrum = torch.fft.rfft(c, n=self.n_fft)
+        self.wrap = max(0, 2 * self.d - 1 - self.n_fft)
+        self.corner = _lower_dense(c, self.wrap)
+
+    def rows(self, X: Tensor, kinds: tuple[str, ...]) -> Tensor:
+        """The products ``kinds`` ("conv" / "corr", in order) applied to every row of
+        X (rows, d), any strides; returns a new contiguous (rows, d) tensor."""
+        rows, d = X.shape
+        n_fft, e = self.n_fft, self.wrap
+        step = _rows_per_chunk(rows, n_fft, X.device)
+        # zero-padded input rows; copying into it beats the padding inside torch.fft
+        padded = X.new_zeros((min(step, rows), n_fft))
+        out = X.new_empty((rows, d))
+        for start in range(0, rows, step):
+            chunk = X[start : start + step]
+            signal = padded[: chunk.shape[0]]
+            signal[:, :d] = chunk
+            for i, kind in enumerate(kinds):
+                if i:
+                    signal[:, d:].zero_()  # the previous product's wrapped-around part
+                # the outputs that wrap around, and where they go, from this product's input
+                ends = slice(0, e) if kind == "conv" else slice(d - e, d)
+                corner = self.corner.T if kind == "conv" else self.corner
+                wrapped = signal[:, ends] @ corner if e else None
+                # no out= here: torch's FFTs would compute into a temporary and copy
+                spectrum = torch.fft.rfft(signal)
+                spectrum.mul_(self.spectrum if kind == "conv" else self.spectrum.conj())
+                signal = torch.fft.irfft(spectrum, n=n_fft)
+                if e:
+                    signal[:, ends] = wrapped
+            out[start : start + step] = signal[:, :d]
+        return out
 
 
 def _power_spectrum_sum(Y: Tensor, n_fft: int) -> Tensor:
@@ -132,15 +168,13 @@ def _power_spectrum_sum(Y: Tensor, n_fft: int) -> Tensor:
     rows, d = Y.shape
     total = Y.new_zeros(n_fft // 2 + 1)
     step = _rows_per_chunk(rows, n_fft, Y.device)
-    padded, spectrum = _fft_buffers(Y, step, n_fft)
-    padded[:, d:].zero_()
+    padded = Y.new_zeros((min(step, rows), n_fft))
     for start in range(0, rows, step):
-        stop = min(rows, start + step)
-        signal, spec = padded[: stop - start], spectrum[: stop - start]
-        signal[:, :d].copy_(Y[start:stop])
-        torch.fft.rfft(signal, out=spec)
-        power = torch.view_as_real(spec).square_()  # (rows, bins, 2), in place
-        total += power.sum(0).sum(-1)
+        chunk = Y[start : start + step]
+        signal = padded[: chunk.shape[0]]
+        signal[:, :d] = chunk
+        power = torch.view_as_real(torch.fft.rfft(signal)).square_()  # (rows, bins, 2)
+        total += power.sum(0).sum(-1)  # one dimension at a time: much faster than (0, 2)
     return total
 
 
@@ -159,7 +193,7 @@ def _lagged_products_sum(a: Tensor, b: Tensor) -> Tensor:
     tail = _diagonal_sums(corner.T)[m - 1 :]
     if m == d:
         return tail
-    n_fft = _fft_length(2 * d - 1)
+    n_fft = _fft_length(d)  # >= 2d - 1 - m: lags below d - m do not wrap
     if same:
         # Summing the spectra over the rows first needs one inverse FFT only.
         spectrum = _power_spectrum_sum(a, n_fft)
@@ -181,6 +215,8 @@ class _TriangularToeplitz(StructuredMatrix):
 
     part_names = ("coeffs",)
     lower: ClassVar[bool]
+    # K Kᵀ is not Toeplitz, but it multiplies as two FFT products (d <= 128: dense)
+    structured_times_transpose = True
 
     # ------------------------------------------------------------- constructors
     @classmethod
@@ -241,11 +277,12 @@ class _TriangularToeplitz(StructuredMatrix):
         if self.dim <= SMALL_DENSE_DIM:  # the dense matrix beats two FFTs there
             T = TrilToeplitz(self.dim, coeffs=c).to_dense()
             return ((T.T if transpose else T) @ X_acc).to(out_dtype)
+        kinds = ("corr",) if transpose else ("conv",)
         if X_acc.dim() == 1:
-            return _toeplitz_apply(c, X_acc.unsqueeze(0), transpose)[0].to(out_dtype)
+            return _Convolver(c).rows(X_acc.unsqueeze(0), kinds)[0].to(out_dtype)
         # FFTs along the rows of Xᵀ (n, d); the result is the transposed view of a
         # contiguous (n, d) tensor, so that K.rmatmul(a.T).T comes back contiguous.
-        return _toeplitz_apply(c, X_acc.T, transpose).T.to(out_dtype)
+        return _Convolver(c).rows(X_acc.T, kinds).T.to(out_dtype)
 
     def matmul(self, X: Tensor) -> Tensor:
         return self._apply(X, transpose=not self.lower)
@@ -258,8 +295,18 @@ class _TriangularToeplitz(StructuredMatrix):
         acc = accumulation_dtype(self.dtype, other.dtype)
         a = upcast(self.parts["coeffs"], acc)
         b = upcast(other.parts["coeffs"], acc)
-        product = _toeplitz_apply(a, b.unsqueeze(0), transpose=False)[0]
+        if self.dim <= SMALL_DENSE_DIM:
+            product = TrilToeplitz(self.dim, coeffs=a).to_dense() @ b
+        else:
+            product = _Convolver(a).rows(b.unsqueeze(0), ("conv",))[0]
         return type(self)(self.dim, coeffs=product.to(self.dtype))
+
+    def times_transpose(self):
+        """K Kᵀ as an operator: L Lᵀ X (lower) or Lᵀ L X (upper) as two FFT products
+        per row of Xᵀ, with the spectrum of c computed once (dense for small d)."""
+        if self.dim <= SMALL_DENSE_DIM:
+            return super().times_transpose()
+        return _ToeplitzGram(self.parts["coeffs"], self.lower)
 
     def project_inner(self) -> _TriangularToeplitz:
         d = self.dim
@@ -271,6 +318,35 @@ class _TriangularToeplitz(StructuredMatrix):
     def trace(self) -> Tensor:
         c = upcast(self.parts["coeffs"])
         return c[0] * self.dim if self.dim else c.sum()
+
+
+class _ToeplitzGram:
+    """K Kᵀ for K = L(c) (``lower``) or U(c) = L(c)ᵀ, d > SMALL_DENSE_DIM, kept in the
+    accumulation dtype of c: ``matmul(X)`` runs both products in one pass over the
+    rows of Xᵀ, through cache-sized FFT buffers, and allocates its result only."""
+
+    def __init__(self, coeffs: Tensor, lower: bool) -> None:
+        self.dim = coeffs.shape[0]
+        self.coeffs = upcast(coeffs)
+        self.convolver = _Convolver(self.coeffs)
+        # row x of Xᵀ: x (L Lᵀ)ᵀ = x L Lᵀ is "corr" then "conv"; x Lᵀ L the other way
+        self.kinds = ("corr", "conv") if lower else ("conv", "corr")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.coeffs.dtype
+
+    def matmul(self, X: Tensor) -> Tensor:
+        """(K Kᵀ) X for X (d, n) or (d,): for a matrix, the transposed view of a new
+        contiguous (n, d) tensor; dtype promote(accumulation dtype, X)."""
+        acc = accumulation_dtype(self.dtype, X.dtype)
+        convolver = self.convolver if acc == self.dtype else _Convolver(self.coeffs.to(acc))
+        if X.dim() == 1:
+            return convolver.rows(upcast(X, acc).unsqueeze(0), self.kinds)[0]
+        return convolver.rows(upcast(X, acc).T, self.kinds).T
+
+    def to_dense(self) -> Tensor:
+        return self.matmul(torch.eye(self.dim, dtype=self.dtype, device=self.coeffs.device))
 
 
 class TrilToeplitz(_TriangularToeplitz):

@@ -147,3 +147,27 @@ def test_large_parameters_equal_dense(kind, structure):
     train(model, SINGD(model, structures=structure, T=1, **HYPER), batches)
     for ours, dense in zip(model.parameters(), dense_model.parameters(), strict=True):
         torch.testing.assert_close(ours, dense, rtol=1e-10, atol=1e-13)
+
+
+# ------------------------------------------------ Toeplitz beyond the dense cut-off
+@pytest.mark.filterwarnings("ignore:Calling naive implementation")
+@pytest.mark.parametrize("structure", ["tril_toeplitz", "triu_toeplitz"])
+def test_parity_toeplitz_fft_products(structure):
+    """d = 201 and 150 > 128: FFT products (wrapped outputs computed directly), with the
+    K Kᵀ / C Cᵀ operators cached at T = 3, against the reference's dense products."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(200, 150), nn.Tanh(), nn.Linear(150, NUM_CLASSES))
+    ref_model = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(5)
+    batches = [
+        (torch.randn(32, 200, generator=gen), torch.randint(0, NUM_CLASSES, (32,), generator=gen))
+        for _ in range(STEPS)
+    ]
+    name = STRUCTURES[structure]
+    train(ref_model, Reference(ref_model, structures=(name, name), T=3, **HYPER), batches)
+    opt = SINGD(model, structures=structure, T=3, **HYPER)
+    train(model, opt, batches)
+    for ours, theirs in zip(model.parameters(), ref_model.parameters(), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=RTOL, atol=ATOL)
+    cached = opt.rule_for(opt.param_groups[0])._outer._entries.values()
+    assert any(type(v).__name__ == "_ToeplitzGram" for _, values, _ in cached for v in values)

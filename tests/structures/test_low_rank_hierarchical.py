@@ -163,3 +163,19 @@ def test_wrong_part_shapes_are_rejected(spec):
     parts = {n: p.clone() for n, p in S.eye(7).parts.items()}
     with pytest.raises(ValueError, match="must have shape"):
         S.from_parts(8, parts)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("spec", ["hierarchical:2,3", "hierarchical:15,15", "hierarchical:200,5"])
+@pytest.mark.parametrize("d", [7, 64, 129])
+def test_times_transpose_of_a_transposed_view(spec, d, dtype, gen):
+    """K Kᵀ Gᵀ with Gᵀ a transposed view (the preconditioner's layout) takes the row-wise
+    path: the same result as dense, returned as the transposed view of a contiguous tensor."""
+    K = random_member(get(spec), d, dtype, gen)
+    G = torch.randn(9, d, dtype=torch.float64, generator=gen).to(dtype)
+    Kd = K.to_dense().double()
+    out = K.times_transpose().matmul(G.T)
+    assert out.T.is_contiguous()
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    assert out.dtype == acc
+    assert_close_normwise(out, Kd @ Kd.T @ G.double().T, acc)

@@ -122,7 +122,7 @@ def test_large_d_against_float64_direct():
 @pytest.mark.parametrize("S", [TrilToeplitz, TriuToeplitz], ids=lambda S: S.name)
 def test_chunked_fft_paths(S, monkeypatch):
     """Rows split into several FFT batches (as for large d on the CPU) give the same result."""
-    monkeypatch.setattr(toeplitz_module, "_CHUNK_ELEMENTS", 1)  # 32 rows per chunk
+    monkeypatch.setattr(toeplitz_module, "_CHUNK_ELEMENTS", 1)  # 8 rows per chunk
     d = 200
     gen = torch.Generator().manual_seed(3)
     K = S(d, coeffs=torch.randn(d, dtype=torch.float64, generator=gen))
@@ -134,3 +134,51 @@ def test_chunked_fft_paths(S, monkeypatch):
     assert_close_normwise(
         S.project_gram(Y).to_dense(), S.project(Y.T @ Y).to_dense(), torch.float64
     )
+
+
+@pytest.mark.parametrize("S", [TrilToeplitz, TriuToeplitz], ids=lambda S: S.name)
+@pytest.mark.parametrize("d", [129, 300, 513, 545, 1024])
+def test_wrapped_outputs_and_times_transpose(S, d, monkeypatch):
+    """FFT lengths below 2d - 1 (the outputs that wrap around computed directly, e of
+    them: 57 at d = 129, 1 at 513, 9 at 545, none at 1024), in float64 against dense,
+    over several chunks of rows; K Kᵀ as one operator, for both triangles."""
+    monkeypatch.setattr(toeplitz_module, "_CHUNK_ELEMENTS", 1)  # 8 rows per chunk
+    n_fft = toeplitz_module._fft_length(d)
+    assert 2 * d - 1 - toeplitz_module._DIRECT_TAIL <= n_fft
+    gen = torch.Generator().manual_seed(d)
+    K = S(d, coeffs=torch.randn(d, dtype=torch.float64, generator=gen))
+    M = S(d, coeffs=torch.randn(d, dtype=torch.float64, generator=gen))
+    X = torch.randn(d, 19, dtype=torch.float64, generator=gen)
+    Y = torch.randn(19, d, dtype=torch.float64, generator=gen)
+    Kd = K.to_dense()
+    assert_close_normwise(K.matmul(X), Kd @ X, torch.float64)
+    assert_close_normwise(K.rmatmul(X), Kd.T @ X, torch.float64)
+    assert_close_normwise((K @ M).to_dense(), Kd @ M.to_dense(), torch.float64)
+    assert_close_normwise(
+        S.project_gram(Y).to_dense(), S.project(Y.T @ Y).to_dense(), torch.float64
+    )
+    P = K.times_transpose()
+    out = P.matmul(X)
+    assert out.dtype == torch.float64 and out.T.is_contiguous()
+    assert_close_normwise(out, Kd @ Kd.T @ X, torch.float64)
+    assert_close_normwise(P.matmul(X[:, 0]), Kd @ Kd.T @ X[:, 0], torch.float64)
+    assert_close_normwise(P.to_dense(), Kd @ Kd.T, torch.float64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_times_transpose_low_precision(dtype):
+    """Half storage: K Kᵀ X in float32 from the stored (rounded) coefficients, to the
+    float32 bound; float32 X with a float64 factor promotes to float64."""
+    d = 700
+    gen = torch.Generator().manual_seed(7)
+    c = torch.randn(d, generator=gen) / d**0.5
+    c[0] = 1.0
+    K = TrilToeplitz(d, coeffs=c.to(dtype))
+    X = torch.randn(d, 6, generator=gen).to(dtype)
+    Kd = K.to_dense().double()
+    out = K.times_transpose().matmul(X)
+    assert out.dtype == torch.float32
+    assert_close_normwise(out, Kd @ Kd.T @ X.double(), torch.float32)
+    wide = K.to(torch.float64).times_transpose().matmul(X.float())
+    assert wide.dtype == torch.float64
+    assert_close_normwise(wide, Kd @ Kd.T @ X.double(), torch.float64)
