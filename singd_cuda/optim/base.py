@@ -129,6 +129,12 @@ class LayerRule(ABC):
         1/``inv_scale``) in one pass; ``seed`` seeds stochastic rounding."""
         raise NotImplementedError
 
+    def start_factors(self, layer: Layer, group: dict, state: dict, pending: dict) -> bool:
+        """Before each :meth:`update_factors`: a rule whose factors start from the first
+        statistics (SINGD's warm start) sets them here; False skips this update (the
+        statistics cannot start the factors yet). The default starts nothing."""
+        return True
+
     def factor_structures(self, group: dict) -> tuple[str, str]:
         """(K side, C side) structure names of the layer's factors, for the cost model."""
         return ("dense", "dense")
@@ -653,7 +659,8 @@ class KroneckerOptimizer(Optimizer):
             self._undo.save(state)
             if self._sync is not None and self._sync.distribute_factors:
                 rule.finish_shared(layer, group, state, pending)
-            rule.update_factors(layer, group, state, pending, group["step"])
+            if rule.start_factors(layer, group, state, pending):
+                rule.update_factors(layer, group, state, pending, group["step"])
         if self._finite.all_finite(self._undo.updated()):
             self._undo.clear()
             return True
@@ -755,6 +762,14 @@ class KroneckerOptimizer(Optimizer):
         (another optimizer, model, structure; :mod:`.checkpoint`).
         """
         checkpoint.check_fits(self, state_dict)
+        groups = state_dict["param_groups"]
+        state_dict = {
+            **state_dict,
+            "param_groups": [
+                checkpoint.with_added_hyperparameters(saved, group)
+                for saved, group in zip(groups, self.param_groups, strict=True)
+            ],
+        }
         saved = state_dict["state"]
         super().load_state_dict({k: v for k, v in state_dict.items() if k != checkpoint.KIND_KEY})
         for group in self.param_groups:  # the loaded hyperparameters are the ones in use
