@@ -144,7 +144,8 @@ def test_large_parameters_equal_dense(kind, structure):
     model = (parity_mlp() if kind == "mlp" else parity_cnn()).double()
     dense_model = copy.deepcopy(model)
     batches = parity_batches(kind, dtype=torch.float64)
-    train(dense_model, SINGD(dense_model, structures="dense", T=1, **HYPER), batches)
-    train(model, SINGD(model, structures=structure, T=1, **HYPER), batches)
+    hp = dict(HYPER, lr=2e-3, damping=1e-2)  # warm-started factors (HYPER diverges)
+    train(dense_model, SINGD(dense_model, structures="dense", T=1, **hp), batches)
+    train(model, SINGD(model, structures=structure, T=1, **hp), batches)
     for ours, dense in zip(model.parameters(), dense_model.parameters(), strict=True):
         torch.testing.assert_close(ours, dense, rtol=1e-10, atol=1e-13)
