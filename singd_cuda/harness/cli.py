@@ -254,9 +254,9 @@ def tune_parser() -> argparse.ArgumentParser:
     """The parser of ``singd-harness tune``."""
     p = argparse.ArgumentParser(
         prog="singd-harness tune",
-        description="Sweep each optimizer's learning rate (and SINGD's/IKFAC's lr_cov) on a "
-        "log grid, fp32, the same number of trials per optimizer; write the chosen values "
-        "and the sweep table.",
+        description="Sweep each optimizer's learning rate on a log grid (the other settings "
+        "at the library defaults), fp32, the same number of trials per optimizer; write the "
+        "chosen values and the sweep table.",
     )
     add_grid(p, tune=True)
     p.add_argument(

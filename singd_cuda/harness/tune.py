@@ -1,6 +1,6 @@
-"""``singd-harness tune``: a log-grid sweep of each optimizer's learning rate (and SINGD's
-and IKFAC's lr_cov) in fp32 on each task, the same number of trials per optimizer
-(:attr:`OptimizerEntry.tune_grid`), scored by the final held-out loss averaged over the
+"""``singd-harness tune``: a log-grid sweep of each optimizer's learning rate (the
+other settings at the library defaults) in fp32 on each task, the same number of trials per
+optimizer (:attr:`OptimizerEntry.tune_grid`), scored by the final held-out loss averaged over the
 tuning seeds (a failed seed scores +inf). The chosen values are used in every precision.
 
 ``--record`` writes them into :mod:`singd_cuda.harness.tuned` with the command, so the
@@ -90,9 +90,8 @@ def sweep_markdown(rows: list[dict], chosen: dict) -> str:
         hp = {k: v for k, v in row.items() if k not in ("task", "label", "score")}
         mark = "**chosen**" if chosen[row["task"]][row["label"]] == hp else ""
         value = "failed" if math.isinf(row["score"]) else f"{row['score']:.4f}"
-        cov = f"{hp['lr_cov']:g}" if "lr_cov" in hp else "—"
-        body.append([row["task"], row["label"], f"{hp['lr']:g}", cov, value, mark])
-    headers = ["task", "optimizer", "lr", "lr_cov", "final held-out loss (fp32)", ""]
+        body.append([row["task"], row["label"], f"{hp['lr']:g}", value, mark])
+    headers = ["task", "optimizer", "lr", "final held-out loss (fp32)", ""]
     return markdown_table(headers, body)
 
 

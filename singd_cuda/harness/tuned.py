@@ -3,29 +3,29 @@
 The default run uses these values in every precision; re-tune with ``--tune``.
 """
 
-COMMAND = "python -m singd_cuda.harness tune --tasks mnist1d_mlp mnist1d_cnn lm --optimizers adamw kfac adafisher singd --structures block_diagonal:32 diagonal --record --out benchmarks/results/harness/tune"  # noqa: E501
-CREATED = "2026-12-01T16:35:39"
+COMMAND = "python -m singd_cuda.harness tune --tasks mnist1d_mlp mnist1d_cnn lm --optimizers adamw kfac adafisher singd --structures block_diagonal:32 diagonal --record --out benchmarks/results/harness/tune && python -m singd_cuda.harness tune --tasks mnist1d_mlp mnist1d_cnn lm --optimizers adafisher singd --structures block_diagonal:32 diagonal --workers 1 --record --out benchmarks/results/harness/tune_defaults"  # noqa: E501
+CREATED = "2026-12-01T19:10:49"
 STEPS: dict[str, int] = {"lm": 200, "mnist1d_cnn": 500, "mnist1d_mlp": 500}
 TUNED: dict[str, dict[str, dict[str, float]]] = {
     "lm": {
-        "adafisher": {"lr": 0.03},
+        "adafisher": {"lr": 0.1},
         "adamw": {"lr": 0.01},
         "kfac": {"lr": 0.01},
-        "singd:block_diagonal:32": {"lr": 0.3, "lr_cov": 0.01},
-        "singd:diagonal": {"lr": 0.3, "lr_cov": 0.01},
+        "singd:block_diagonal:32": {"lr": 0.003},
+        "singd:diagonal": {"lr": 0.003},
     },
     "mnist1d_cnn": {
-        "adafisher": {"lr": 0.01},
+        "adafisher": {"lr": 0.03},
         "adamw": {"lr": 0.03},
         "kfac": {"lr": 0.01},
-        "singd:block_diagonal:32": {"lr": 0.003, "lr_cov": 0.1},
-        "singd:diagonal": {"lr": 0.03, "lr_cov": 0.01},
+        "singd:block_diagonal:32": {"lr": 0.003},
+        "singd:diagonal": {"lr": 0.003},
     },
     "mnist1d_mlp": {
-        "adafisher": {"lr": 0.01},
+        "adafisher": {"lr": 0.03},
         "adamw": {"lr": 0.003},
         "kfac": {"lr": 0.001},
-        "singd:block_diagonal:32": {"lr": 0.03, "lr_cov": 0.01},
-        "singd:diagonal": {"lr": 0.003, "lr_cov": 0.1},
+        "singd:block_diagonal:32": {"lr": 0.001},
+        "singd:diagonal": {"lr": 0.01},
     },
 }

@@ -243,7 +243,7 @@ class AdaFisherRule(LayerRule):
 
 
 class AdaFisher(KroneckerOptimizer):
-    """AdaFisher: ``AdaFisher(model, lr=1e-3, momentum=0.9, damping=1e-3, ema_decay=0.8,
+    """AdaFisher: ``AdaFisher(model, lr=1e-2, momentum=0.9, damping=1e-2, ema_decay=0.8,
     T=1, weight_decay=0.0, decoupled_weight_decay=False, ...)``.
 
     ``momentum`` is the Adam-style β. Equivalent to ``SINGD(model, structures="adafisher")``
@@ -254,9 +254,9 @@ class AdaFisher(KroneckerOptimizer):
         self,
         model: nn.Module,
         params=None,
-        lr: float = 1e-3,
+        lr: float = 1e-2,
         momentum: float = 0.9,
-        damping: float = 1e-3,
+        damping: float = 1e-2,
         ema_decay: float = 0.8,
         T: int = 1,
         weight_decay: float = 0.0,

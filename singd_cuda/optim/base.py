@@ -152,6 +152,12 @@ class LayerRule(ABC):
         1/``inv_scale``) in one pass; ``seed`` seeds stochastic rounding."""
         raise NotImplementedError
 
+    def start_factors(self, layer: Layer, group: dict, state: dict, pending: dict) -> bool:
+        """Before each :meth:`update_factors`: a rule whose factors start from the first
+        statistics (SINGD's warm start) sets them here; False skips this update (the
+        statistics cannot start the factors yet). The default starts nothing."""
+        return True
+
     def factor_structures(self, group: dict) -> tuple[str, str]:
         """(K side, C side) structure names of the layer's factors, for the cost model."""
         return ("dense", "dense")
@@ -680,6 +686,8 @@ class KroneckerOptimizer(Optimizer):
             self._undo.save(state)
             if self._sync is not None and self._sync.distribute_factors:
                 rule.finish_shared(layer, group, state, pending)
+            if not rule.start_factors(layer, group, state, pending):
+                continue  # the statistics cannot start this layer's factors yet
             key = rule.group_key(layer, group, state)
             key = (self._layer_group[layer], id(layer) if key is None else key)
             stacks.setdefault(key, []).append((layer, state, pending))
@@ -792,6 +800,14 @@ class KroneckerOptimizer(Optimizer):
         (another optimizer, model, structure; :mod:`.checkpoint`).
         """
         checkpoint.check_fits(self, state_dict)
+        groups = state_dict["param_groups"]
+        state_dict = {
+            **state_dict,
+            "param_groups": [
+                checkpoint.with_added_hyperparameters(saved, group)
+                for saved, group in zip(groups, self.param_groups, strict=True)
+            ],
+        }
         saved = state_dict["state"]
         super().load_state_dict({k: v for k, v in state_dict.items() if k != checkpoint.KIND_KEY})
         for group in self.param_groups:  # the loaded hyperparameters are the ones in use

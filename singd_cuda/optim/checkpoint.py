@@ -24,7 +24,11 @@ if TYPE_CHECKING:
 KIND_KEY = "optimizer"  # state_dict()[KIND_KEY]: the optimizer class name
 
 # state of a parameter besides a layer's factors: key -> shaped like the parameter?
-LAYER_BUFFERS = {"momentum_buffer": True, "exp_avg": True}
+# ("warm_started": SINGD's warm-start flag, absent when off and in older checkpoints)
+LAYER_BUFFERS = {"momentum_buffer": True, "exp_avg": True, "warm_started": False}
+# hyperparameters added since the first checkpoints: key -> the value such a checkpoint
+# behaves as (SINGD's warm start: an old run's factors have started already)
+ADDED_HYPERPARAMETERS = {"warm_start": True}
 NORM_STATE = {"momentum_buffer": True, "fisher_diag": True}
 FALLBACK_STATE = {"step": False, "exp_avg": True, "exp_avg_sq": True}
 
@@ -70,13 +74,13 @@ def _check_group(index: int, saved: dict, group: dict, optimizer, fix: str) -> N
             f"{where} has {len(saved['params'])} parameters in the checkpoint and "
             f"{len(group['params'])} here; {fix}"
         )
-    missing = sorted(set(optimizer.defaults) - set(saved))
+    missing = sorted(set(optimizer.defaults) - set(saved) - set(ADDED_HYPERPARAMETERS))
     if missing:
         raise CheckpointMismatchError(
             f"{where} of the checkpoint lacks {missing}: it was saved by another optimizer "
             f"than {type(optimizer).__name__}; {fix}"
         )
-    trial = {**saved, "params": group["params"]}
+    trial = {**with_added_hyperparameters(saved, group), "params": group["params"]}
     try:
         validate(trial, optimizer.hyperparameter_checks(trial))
     except ValueError as error:
@@ -89,6 +93,13 @@ def _check_group(index: int, saved: dict, group: dict, optimizer, fix: str) -> N
         )
 
 
+def with_added_hyperparameters(saved: dict, group: dict) -> dict:
+    """A checkpoint's group with the :data:`ADDED_HYPERPARAMETERS` it lacks and this
+    optimizer's ``group`` has, at the values such a checkpoint behaves as."""
+    added = {k: v for k, v in ADDED_HYPERPARAMETERS.items() if k in group and k not in saved}
+    return {**saved, **added}
+
+
 def _expected_states(optimizer: KroneckerOptimizer) -> dict[int, tuple[dict, dict]]:
     """id(param) -> (required entries: the factors; optional entries: key -> shaped like
     the parameter?), by the parameter's role."""
@@ -98,7 +109,9 @@ def _expected_states(optimizer: KroneckerOptimizer) -> dict[int, tuple[dict, dic
             expected[id(param)] = ({}, FALLBACK_STATE)
     for layer in optimizer.layers:
         group = optimizer.group_of(layer)
-        expected[id(layer.weight)] = (factor_keys(optimizer, layer, group), LAYER_BUFFERS)
+        factors = factor_keys(optimizer, layer, group)
+        required = {key: value for key, value in factors.items() if key not in LAYER_BUFFERS}
+        expected[id(layer.weight)] = (required, LAYER_BUFFERS)
         if layer.bias is not None:
             expected[id(layer.bias)] = ({}, LAYER_BUFFERS)
     for layer in optimizer._norm_layers:

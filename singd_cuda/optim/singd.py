@@ -22,6 +22,7 @@ from ..distributed.synchronizer import DEFAULT_BUCKET_CAP_MB
 from ..structures.base import StructuredMatrix, accumulation_dtype
 from ..structures.diagonal import Diagonal
 from . import hyperparameters as hp
+from . import warm_start
 from .adafisher import ADAFISHER, AdaFisherRule, DiagonalBatch
 from .base import KroneckerOptimizer, LayerRule, checked_fallback, scheduled, sgd_update_
 from .derived import DerivedCache, GroupCache
@@ -79,6 +80,22 @@ class SingdRule(LayerRule):
         state["m_K"] = S_K.zeros(layer.dim_in, dtype=dtype, device=device).parts
         state["C"] = S_C.eye(layer.dim_out, dtype=dtype, device=device).parts
         state["m_C"] = S_C.zeros(layer.dim_out, dtype=dtype, device=device).parts
+        warm_start.init_state(group, state)
+
+    def start_factors(self, layer, group, state, pending) -> bool:
+        """The warm start (:mod:`.warm_start`) at the layer's first statistics step."""
+        if state.get(warm_start.KEY, True):
+            return True
+        if not group["warm_start"]:  # turned off since the factors were created
+            del state[warm_start.KEY]
+            return True
+        factors = self._factors(layer, group, state)
+        damping = scheduled(group["damping"], group["step"])
+        if not warm_start.start_(factors, pending, damping, group["kfac_like"]):
+            return False
+        self._forget(layer)
+        state[warm_start.KEY] = True
+        return True
 
     def accumulate(self, layer, group, state, pending, a: Tensor, g: Tensor) -> None:
         """H_K += Π̂(Kᵀ aᵀa K) and H_C += Π̂(Cᵀ gᵀg C), as Gram matrices of aK and gC."""
@@ -447,12 +464,15 @@ def _squares(c: Tensor, k: Tensor, out: DiagonalSquares | None = None) -> Diagon
 class SINGD(KroneckerOptimizer):
     """Structured inverse-free natural gradient descent.
 
-    ``SINGD(model, lr=1e-3, momentum=0.9, damping=1e-3, alpha1=0.5, weight_decay=0.0,
-    T=10, lr_cov=1e-2, structures="block_diagonal:32", kfac_like=False, ...)``: see the README.
+    ``SINGD(model, lr=1e-3, momentum=0.9, damping=1e-2, alpha1=0.5, weight_decay=0.0,
+    T=10, lr_cov=1e-2, structures="block_diagonal:32", kfac_like=False, warm_start=True,
+    ...)``: see the README.
     ``structures`` is a name ("dense", "diagonal", "block_diagonal:32", "low_rank:8",
     "tril_toeplitz", "triu_toeplitz", "hierarchical:15,15"), a (K side, C side) pair,
     structure classes, or "adafisher" (AdaFisher's diagonal rule, DESIGN.md section 4).
-    ``kfac_like=True`` is IKFAC (alpha1 forced to 0). ``damping``, ``lr_cov`` and ``T``
+    ``kfac_like=True`` is IKFAC (alpha1 forced to 0). ``warm_start=True`` starts each
+    layer's factors at the scale of its first statistics instead of K = C = I
+    (:mod:`singd_cuda.optim.warm_start`). ``damping``, ``lr_cov`` and ``T``
     may be callables of the step. Parameters of other modules train with AdamW
     (``fallback_*`` settings).
 
@@ -470,7 +490,7 @@ class SINGD(KroneckerOptimizer):
         params=None,
         lr: float = 1e-3,
         momentum: float = 0.9,
-        damping: float = 1e-3,
+        damping: float = 1e-2,
         alpha1: float = 0.5,
         weight_decay: float = 0.0,
         T: int = 10,
@@ -478,6 +498,7 @@ class SINGD(KroneckerOptimizer):
         structures: Any = "block_diagonal:32",
         kfac_like: bool = False,
         normalize_lr_cov: bool = False,
+        warm_start: bool = True,
         loss_average: str | None = "batch",
         factor_dtype: torch.dtype | None = None,
         stochastic_rounding: bool = False,
@@ -505,6 +526,7 @@ class SINGD(KroneckerOptimizer):
             structures=structures,
             kfac_like=kfac_like,
             normalize_lr_cov=normalize_lr_cov,
+            warm_start=warm_start,
             loss_average=loss_average,
             factor_dtype=factor_dtype,
             stochastic_rounding=stochastic_rounding,
@@ -543,13 +565,14 @@ class SINGD(KroneckerOptimizer):
             "lr_cov": hp.number(),
             "kfac_like": hp.flag,
             "normalize_lr_cov": hp.flag,
+            "warm_start": hp.flag,
             "decoupled_weight_decay": hp.flag,
         }
 
     def unused_hyperparameters(self, group: dict) -> set[str]:
         unused = super().unused_hyperparameters(group)
         if group["structures"][0] == ADAFISHER:
-            return unused | {"alpha1", "lr_cov", "kfac_like", "normalize_lr_cov"}
+            return unused | {"alpha1", "lr_cov", "kfac_like", "normalize_lr_cov", "warm_start"}
         unused |= {"ema_decay", "decoupled_weight_decay"}
         return unused | ({"alpha1"} if group["kfac_like"] else set())
 

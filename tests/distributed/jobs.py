@@ -16,7 +16,8 @@ SINGD_STRUCTURES = ["dense", "diagonal", "block_diagonal:4"]
 
 
 def singd(structures: str, **kwargs) -> dict:
-    return dict(structures=structures, lr=0.1, lr_cov=0.1, T=3, **kwargs)
+    # lr suits the warm-started factors (at 0.1 float32 rounding grows past the tolerance)
+    return dict(structures=structures, lr=0.01, lr_cov=0.1, T=3, **kwargs)
 
 
 def _jobs() -> dict[str, tuple[str, dict]]:
@@ -52,7 +53,7 @@ def _jobs() -> dict[str, tuple[str, dict]]:
             ddp=True,
             kwargs=dict(
                 structures="block_diagonal:4",
-                lr=0.1,
+                lr=0.01,
                 lr_cov=0.1,
                 T=Piecewise([1, 3], [4]),
                 damping=Warmup(start=0.1, target=1e-3, steps=6),

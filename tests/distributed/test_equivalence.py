@@ -82,7 +82,8 @@ def test_checkpoint_restore_continue_equals_uninterrupted(world, key):
     restored = results[f"checkpoint:{key}"]
     for rank, (a, b) in enumerate(zip(uninterrupted, restored, strict=True)):
         if config.get("ddp"):
-            assert max_diff(a["params"], b["params"]) <= tolerance(config) / 10
+            # a few float32 ulps of entries near 1 (one ulp there is 1.2e-7)
+            assert max_diff(a["params"], b["params"]) <= tolerance(config) / 4
             continue
         for p, q in zip(a["params"], b["params"], strict=True):
             assert torch.equal(p, q), f"rank {rank}: max diff {(p - q).abs().max()}"

@@ -127,12 +127,12 @@ def test_tune_writes_chosen_values_and_the_sweep(tmp_path, capsys):
     payload = json.loads((tmp_path / "tuned.json").read_text())
     chosen = payload["chosen"]["mnist1d_mlp"]
     assert set(chosen) == {"adamw", "singd:diagonal"}
-    assert set(chosen["adamw"]) == {"lr"} and set(chosen["singd:diagonal"]) == {"lr", "lr_cov"}
+    assert set(chosen["adamw"]) == {"lr"} and set(chosen["singd:diagonal"]) == {"lr"}
     trials = [row["label"] for row in payload["sweep"]]
     assert trials.count("adamw") == trials.count("singd:diagonal") == 6  # same budget
     assert payload["command"].startswith("python -m singd_cuda.harness tune")
     sweep = (tmp_path / "sweep.md").read_text()
-    assert sweep.count("**chosen**") == 2 and "| lr_cov |" in sweep
+    assert sweep.count("**chosen**") == 2 and "| lr |" in sweep
 
     module = tmp_path / "tuned_copy.py"
     tuning.record(payload["chosen"], payload, module)

@@ -60,7 +60,7 @@ def test_lm_corpus_ships_with_python():
 
 def test_runs_are_deterministic_and_record_accuracy_and_time():
     task = mnist1d_mlp_task()
-    s = spec(OptimizerChoice("singd", "diagonal"), lr=0.05, lr_cov=0.1)
+    s = spec(OptimizerChoice("singd", "diagonal"), lr=1e-3)
     first, second = train(task, s, CPU), train(task, s, CPU)
     assert first.stable and first.train_loss == second.train_loss
     assert first.eval_loss == second.eval_loss

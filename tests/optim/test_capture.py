@@ -63,7 +63,7 @@ def test_module_used_twice_sums_its_statistics():
     model = SharedLayer().double()
     twin = clone_model(model)  # no hooks: the expected values come from here
     hp = dict(lr=0.1, damping=1e-3, alpha1=0.5, lr_cov=0.1, weight_decay=1e-2)
-    opt = SINGD(model, structures="dense", T=1, momentum=0.9, **hp)
+    opt = SINGD(model, structures="dense", T=1, momentum=0.9, warm_start=False, **hp)
     x = torch.randn(10, 6, dtype=torch.float64)
     y = torch.randint(0, 3, (10,))
     W0 = torch.cat([model.shared.weight, model.shared.bias[:, None]], 1).detach().clone()

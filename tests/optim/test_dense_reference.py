@@ -171,7 +171,16 @@ def reference_singd(model, batches, hp, loss=loss_fn, loss_terms=None):
     return weights, layers
 
 
-HYPER = dict(lr=0.05, momentum=0.9, damping=1e-3, alpha1=0.5, weight_decay=1e-2, lr_cov=0.05)
+# the float64 reference starts at K = C = I: ours without the warm start
+HYPER = dict(
+    lr=0.05,
+    momentum=0.9,
+    damping=1e-3,
+    alpha1=0.5,
+    weight_decay=1e-2,
+    lr_cov=0.05,
+    warm_start=False,
+)
 
 
 def run_ours(model, batches, hp, **extra):

@@ -24,14 +24,14 @@ pytestmark = pytest.mark.skipif(not ops.fused_available("cpu"), reason="fused op
 
 STEPS = 6
 CASES = {
-    "singd-diagonal": (SINGD, dict(lr=0.05, lr_cov=0.05, T=2, structures="diagonal")),
+    "singd-diagonal": (SINGD, dict(lr=0.01, lr_cov=0.05, T=2, structures="diagonal")),
     "singd-diagonal-wd": (
         SINGD,
-        dict(lr=0.05, lr_cov=0.05, T=1, structures="diagonal", weight_decay=1e-2, alpha1=0.3),
+        dict(lr=0.01, lr_cov=0.05, T=1, structures="diagonal", weight_decay=1e-2, alpha1=0.3),
     ),
     "ikfac-diagonal": (
         SINGD,
-        dict(lr=0.05, lr_cov=0.05, T=1, structures="diagonal", kfac_like=True),
+        dict(lr=0.01, lr_cov=0.05, T=1, structures="diagonal", kfac_like=True),
     ),
     "adafisher": (AdaFisher, dict(lr=0.01, T=1, damping=0.1, weight_decay=1e-2)),
     "adafisher-decoupled": (

@@ -44,7 +44,7 @@ def grid():
 def make_optimizer(structure: str, model, **kwargs):
     if structure == "adafisher":
         return AdaFisher(model, lr=2e-3, **kwargs)
-    common = dict(lr=1e-2, damping=1e-2, lr_cov=0.05, T=5)
+    common = dict(lr=3e-3, damping=1e-2, lr_cov=0.05, T=5)
     if structure == "ikfac":
         return SINGD(model, structures="dense", kfac_like=True, **common, **kwargs)
     return SINGD(model, structures=structure, **common, **kwargs)
