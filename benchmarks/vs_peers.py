@@ -229,12 +229,15 @@ def tensor_bytes(*values) -> int:
 
 def cache_bytes(opt: torch.optim.Optimizer) -> int:
     """Bytes of ours' derived caches between factor updates (K Kᵀ, C Cᵀ, c², k², ...)."""
+    from singd_cuda.optim.derived import DerivedCache, GroupCache
+
     return tensor_bytes(
         *(
             values
             for rule in getattr(opt, "_rules", {}).values()
             for cache in vars(rule).values()
-            for _, values, _ in getattr(cache, "_entries", {}).values()
+            if isinstance(cache, DerivedCache | GroupCache)
+            for values in cache.values()
         )
     )
 

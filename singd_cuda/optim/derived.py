@@ -39,6 +39,10 @@ class DerivedCache:
         self._entries[id(layer)] = [sources, values, True]
         return values
 
+    def values(self) -> list[tuple]:
+        """The derived values held (stale ones included: they keep their buffers)."""
+        return [entry[1] for entry in self._entries.values()]
+
     def forget(self, layer: Layer) -> None:
         """Mark the layer's values stale (its factors changed)."""
         entry = self._entries.get(id(layer))
@@ -75,6 +79,10 @@ class GroupCache:
         values = derive()
         self._entries[key] = (sources, versions, values)
         return values
+
+    def values(self) -> list[tuple]:
+        """The derived values held, one tuple per group."""
+        return [entry[2] for entry in self._entries.values()]
 
     def forget(self, layer: Layer) -> None:
         """Mark the values of every group holding ``layer`` stale (its factors changed)."""

@@ -72,7 +72,7 @@ def per_layer(opt: SINGD) -> SINGD:
 
 
 def make(model, **hyper) -> SINGD:
-    return SINGD(model, lr=0.05, T=T, lr_cov=0.1, **hyper)
+    return SINGD(model, lr=0.01, T=T, lr_cov=0.1, **hyper)
 
 
 @pytest.fixture
