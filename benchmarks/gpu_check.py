@@ -116,6 +116,9 @@ def run_phase(name: str, command: list[str], timeout: float, log: Path, state: d
         except subprocess.TimeoutExpired:
             _kill_group(proc)
             returncode, timed_out = proc.returncode, True
+        except BaseException:  # a signal (its handler killed the group): reap, pass it on
+            _kill_group(proc)
+            raise
         finally:
             state["running"] = None
     seconds = time.monotonic() - start
@@ -140,9 +143,13 @@ def run_phase(name: str, command: list[str], timeout: float, log: Path, state: d
     return result
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def _signal_group(proc: subprocess.Popen) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    _signal_group(proc)
     proc.wait()
 
 
@@ -216,7 +223,9 @@ def orchestrate(args: argparse.Namespace) -> int:
     def on_signal(signum, frame):
         proc = state.get("running")
         if proc is not None:
-            _kill_group(proc)
+            # no wait here: the handler may run inside proc.wait(), which holds the
+            # Popen's lock (a second wait would deadlock); run_phase reaps it
+            _signal_group(proc)
         raise SignalledError(signum)
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
