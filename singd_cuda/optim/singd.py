@@ -284,36 +284,16 @@ class SingdRule(LayerRule):
         if self._diagonal(group) and not group["normalize_lr_cov"]:
             self._update_diagonal_factors([layer], [state], [pending], group, step)
             return
-        f = self._factors(layer, group, state)
-        K, C, H_K, H_C = f["K"], f["C"], pending["in"], pending["out"]
-        dtype = accumulation_dtype(K.dtype, C.dtype, H_K.dtype)
-        KtK = K.project_inner().to(dtype)
-        CtC = C.project_inner().to(dtype)
-        damping = scheduled(group["damping"], step)
-        if group["kfac_like"]:
-            scale_H_K = scale_H_C = scale_KtK = scale_CtC = 1.0
-        else:
-            scale_H_K, scale_H_C = H_C.average_trace(), H_K.average_trace()
-            scale_KtK, scale_CtC = CtC.average_trace(), KtK.average_trace()
-        alpha1 = 0.0 if group["kfac_like"] else group["alpha1"]
-        lr_cov = scheduled(group["lr_cov"], step)
-        normalize = group["normalize_lr_cov"]
-        for side, H, scale_H, inner, scale_inner in (
-            ("K", H_K.to(dtype), scale_H_K, KtK, scale_KtK),
-            ("C", H_C.to(dtype), scale_H_C, CtC, scale_CtC),
-        ):
-            # m̂ = ½[scale_H·H + λ·scale_inner·Π̂(FᵀF) − I]; with normalize_lr_cov the
-            # reference scales m̂ by (1 − α₁) too, so that m is an average and its
-            # largest entry (which divides β₁) does not grow with α₁
-            half = 0.5 * (1.0 - alpha1 if normalize else 1.0)
-            m_hat = H.mul_(scale_H * half).add_(inner, alpha=half * damping * float(scale_inner))
-            m_hat.add_identity_(-half)
-            m = f[f"m_{side}"].mul_(alpha1).add_(m_hat)
-            beta1 = lr_cov
-            if normalize:
-                beta1 = beta1 / max(1.0, float(m.abs_max()))
-            factor = f[side]
-            factor.add_(factor @ m, alpha=-beta1)
+        _factor_step(
+            self._factors(layer, group, state),
+            pending["in"],
+            pending["out"],
+            damping=scheduled(group["damping"], step),
+            lr_cov=scheduled(group["lr_cov"], step),
+            alpha1=0.0 if group["kfac_like"] else group["alpha1"],
+            kfac_like=group["kfac_like"],
+            normalize=group["normalize_lr_cov"],
+        )
 
     def _derive_outer(self, layer, group, f, step: int) -> tuple:
         """(C Cᵀ, K Kᵀ), or None for a side whose structure has no cheap form of it or
@@ -394,19 +374,36 @@ def _stack(parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
 
 def _stacked_factor_update(S_K, S_C, d_K: int, d_C: int, factors, H_K, H_C, **hyper):
     """One layer's SINGD factor update as a function of its parts (vmapped over a stack
-    by :meth:`SingdRule.update_factors_many`); the math of :meth:`SingdRule.update_factors`
-    with the trace scales kept as tensors. Returns the new parts {side: {name: tensor}}."""
+    by :meth:`SingdRule.update_factors_many`): :func:`_factor_step` on structured
+    matrices over the parts. Returns the new parts {side: {name: tensor}}."""
     f = {
         side: (S_K if side.endswith("K") else S_C)(d_K if side.endswith("K") else d_C, **parts)
         for side, parts in factors.items()
     }
-    H_K, H_C = S_K(d_K, **H_K), S_C(d_C, **H_C)
+    _factor_step(f, S_K(d_K, **H_K), S_C(d_C, **H_C), **hyper)
+    return {side: matrix.parts for side, matrix in f.items()}
+
+
+def _factor_step(
+    f: dict[str, StructuredMatrix],
+    H_K: StructuredMatrix,
+    H_C: StructuredMatrix,
+    *,
+    damping: float,
+    lr_cov: float,
+    alpha1: float,
+    kfac_like: bool,
+    normalize: bool = False,
+) -> None:
+    """SINGD's factor update of one layer, in place on f's "K", "C", "m_K", "m_C" (H_K and
+    H_C are consumed): m̂ = ½[scale_H·H + λ·scale_inner·Π̂(FᵀF) − I], m ← α₁m + m̂,
+    F ← F(I − β₁m). The trace scales stay tensors (no sync; vmap-safe) unless
+    ``normalize`` (β₁ / max(1, max|m|), per layer only)."""
     K, C = f["K"], f["C"]
     dtype = accumulation_dtype(K.dtype, C.dtype, H_K.dtype)
     KtK = K.project_inner().to(dtype)
     CtC = C.project_inner().to(dtype)
-    damping, alpha1 = hyper["damping"], hyper["alpha1"]
-    if hyper["kfac_like"]:
+    if kfac_like:
         scales = (1.0, 1.0, 1.0, 1.0)
     else:
         scales = (
@@ -419,12 +416,15 @@ def _stacked_factor_update(S_K, S_C, d_K: int, d_C: int, factors, H_K, H_C, **hy
         ("K", H_K.to(dtype), scales[0], KtK, scales[1]),
         ("C", H_C.to(dtype), scales[2], CtC, scales[3]),
     ):
-        m_hat = H.mul_(scale_H * 0.5).add_(inner.mul_(scale_inner * (0.5 * damping)))
-        m_hat.add_identity_(-0.5)
+        # with normalize_lr_cov the reference scales m̂ by (1 − α₁) too, so that m is an
+        # average and its largest entry (which divides β₁) does not grow with α₁
+        half = 0.5 * (1.0 - alpha1 if normalize else 1.0)
+        m_hat = H.mul_(scale_H * half).add_(inner.mul_(scale_inner * (half * damping)))
+        m_hat.add_identity_(-half)
         m = f[f"m_{side}"].mul_(alpha1).add_(m_hat)
+        beta1 = lr_cov / max(1.0, float(m.abs_max())) if normalize else lr_cov
         factor = f[side]
-        factor.add_(factor @ m, alpha=-hyper["lr_cov"])
-    return {side: matrix.parts for side, matrix in f.items()}
+        factor.add_(factor @ m, alpha=-beta1)
 
 
 class DiagonalSquares(NamedTuple):
