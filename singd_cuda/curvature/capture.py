@@ -321,7 +321,18 @@ def _call(ref: Callable[[], CurvatureCapture | None], method: str, *args):
     return None
 
 
-class _ModelHook:
+class _InertCopies:
+    """Copies and pickles of a hooked model carry a hook that does nothing (a copy of a
+    model is not what the optimizer trains)."""
+
+    def __deepcopy__(self, memo) -> _Hook:
+        return _inert_hook()
+
+    def __reduce__(self):
+        return (_inert_hook, ())
+
+
+class _ModelHook(_InertCopies):
     """The forward pre-hook of the model: the ``begin`` op (traced by ``torch.compile``)."""
 
     def __init__(self, handle: int, forward: Tensor) -> None:
@@ -332,14 +343,8 @@ class _ModelHook:
             return  # torch.func: a forward that takes no statistics
         capture_ops.begin(self._forward, self._handle, torch.is_grad_enabled())
 
-    def __deepcopy__(self, memo) -> _Hook:
-        return _inert_hook()
 
-    def __reduce__(self):
-        return (_inert_hook, ())
-
-
-class _LayerHook:
+class _LayerHook(_InertCopies):
     """The forward hook of a layer's modules, traced by ``torch.compile``: it reads no
     capture state (the ``mark`` op does, at run time) and wraps the output in
     :class:`capture_ops.Stage`. Eager calls that take no statistics keep the output."""
@@ -366,18 +371,11 @@ class _LayerHook:
             output, token, layer_input, self._probe, self._handle, self._index
         )
 
-    def __deepcopy__(self, memo) -> _Hook:
-        return _inert_hook()
 
-    def __reduce__(self):
-        return (_inert_hook, ())
-
-
-class _Hook:
+class _Hook(_InertCopies):
     """A hook that calls ``method`` of a weakly held capture with ``bound`` args first.
 
-    It does nothing once the capture is gone, and copies or pickles of the model carry
-    a hook that does nothing (a copy of a model is not what the optimizer trains).
+    It does nothing once the capture is gone (nor in a copy of the model).
     """
 
     def __init__(self, ref, method: str, *bound) -> None:
@@ -385,12 +383,6 @@ class _Hook:
 
     def __call__(self, *args):
         return _call(self._ref, self._method, *self._bound, *args)
-
-    def __deepcopy__(self, memo) -> _Hook:
-        return _inert_hook()
-
-    def __reduce__(self):
-        return (_inert_hook, ())
 
 
 def _inert_hook() -> _Hook:
