@@ -56,12 +56,13 @@ bool skip_step(const std::optional<at::Tensor>& found_inf) {
 // ---- loops over one span ----------------------------------------------------------------
 
 // SGD (kAdam false; kMomentum selects whether buf is read and written) or the Adam form
-// (state always present, denominator 1).
+// (state always present, denominator 1) on n elements; `first` is the index of p[0] in its
+// tensor (the stochastic-rounding stream is indexed by it).
 template <bool kAdam, bool kMomentum, bool kStochastic, typename P, typename G, typename S,
           typename T>
-void epilogue_loop(P* p, const G* g, S* state, int64_t lo, int64_t hi, const Epilogue<T> e,
+void epilogue_loop(P* p, const G* g, S* state, int64_t n, int64_t first, const Epilogue<T> e,
                    uint32_t key) {
-  for (int64_t i = lo; i < hi; ++i) {
+  for (int64_t i = 0; i < n; ++i) {
     T s = kMomentum ? static_cast<T>(state[i]) : T(0);
     T np;
     if constexpr (kAdam) {
@@ -70,7 +71,7 @@ void epilogue_loop(P* p, const G* g, S* state, int64_t lo, int64_t hi, const Epi
       np = sgd_element<kMomentum>(static_cast<T>(p[i]), static_cast<T>(g[i]), s, e);
     }
     if constexpr (kMomentum) state[i] = static_cast<S>(s);
-    p[i] = store_param<P>(np, kStochastic, key, i);
+    p[i] = store_param<P>(np, kStochastic, key, first + i);
   }
 }
 
@@ -123,17 +124,26 @@ void run_epilogue(const char* op, const EpilogueCall& c) {
 
   auto params = in_place(c.params);
   auto state = in_place(momentum ? c.state : at::TensorList());
-  const auto grads = contiguous(c.grads);
-  std::vector<int64_t> rows, ones;
-  for (const auto& p : c.params) {
-    rows.push_back(p.numel());
-    ones.push_back(1);
+  // An update whose rows (along dim 0) are each contiguous is read where it lies: the
+  // preconditioned weight of a layer with a bias is such a view of the (d_C, d_K) matrix.
+  std::vector<at::Tensor> grads;
+  std::vector<int64_t> rows, row_len, row_stride;
+  for (size_t i = 0; i < c.params.size(); ++i) {
+    const at::Tensor& g = c.grads[i];
+    const int64_t stride = contiguous_rows_stride(g);
+    const bool by_row = !g.is_contiguous() && stride > 1;
+    grads.push_back(by_row ? g : g.contiguous());
+    const int64_t n = g.numel();
+    rows.push_back(by_row ? g.size(0) : n);
+    row_len.push_back(by_row ? n / g.size(0) : 1);
+    row_stride.push_back(by_row ? stride : 1);
   }
-  parallel_spans(make_spans(rows, ones), [&](const Span& sp) {
+  parallel_spans(make_spans(rows, row_len), [&](const Span& sp) {
     const size_t i = sp.tensor;
     const at::Tensor& p = params[i].work();
     const at::Tensor& s = momentum ? state[i].work() : p;
     const uint32_t key = stream_key(c.seed, static_cast<int64_t>(i));
+    const int64_t cols = row_len[i];
     dispatch_types(
         p.scalar_type(), grads[i].scalar_type(), s.scalar_type(), [&](auto tp, auto tg, auto ts) {
           using P = typename decltype(tp)::type;
@@ -141,12 +151,23 @@ void run_epilogue(const char* op, const EpilogueCall& c) {
           using S = typename decltype(ts)::type;
           using T = at::opmath_type<P>;
           const Epilogue<T> e = make_epilogue<T>(c.hyper, inv);
+          P* pp = p.data_ptr<P>();
+          const G* gp = grads[i].const_data_ptr<G>();
+          S* sp_ = s.data_ptr<S>();
           with_bool(c.hyper.adam, [&](auto adam) {
             with_bool(momentum, [&](auto mom) {
               with_bool(c.stochastic, [&](auto sr) {
-                epilogue_loop<decltype(adam)::value, decltype(mom)::value, decltype(sr)::value>(
-                    p.data_ptr<P>(), grads[i].const_data_ptr<G>(), s.data_ptr<S>(), sp.begin,
-                    sp.end, e, key);
+                constexpr bool kA = decltype(adam)::value, kM = decltype(mom)::value,
+                               kS = decltype(sr)::value;
+                if (row_stride[i] == 1) {  // flat: elements [begin, end)
+                  epilogue_loop<kA, kM, kS>(pp + sp.begin, gp + sp.begin, sp_ + sp.begin,
+                                            sp.end - sp.begin, sp.begin, e, key);
+                } else {  // rows [begin, end) of `cols` elements, `row_stride` apart in g
+                  for (int64_t r = sp.begin; r < sp.end; ++r) {
+                    epilogue_loop<kA, kM, kS>(pp + r * cols, gp + r * row_stride[i],
+                                              sp_ + r * cols, cols, r * cols, e, key);
+                  }
+                }
               });
             });
           });

@@ -11,7 +11,9 @@ from singd_cuda.ops import _build
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 # contiguous; strided (every other column of a wider tensor); offset (storage offset of one
 # element, so the CUDA kernels peel an unaligned head before their vector path).
-LAYOUTS = ["contiguous", "strided", "offset"]
+# "row-strided": each row contiguous, rows apart by more than their length (M[:, :-1] of
+# a matrix with a bias column)
+LAYOUTS = ["contiguous", "strided", "offset", "row-strided"]
 # Sizes around the vector widths (2, 4, 8 elements), one larger than a CPU span, and empty.
 SHAPES = [(1,), (7,), (3, 5), (0,), (2, 0), (9, 17), (40_000,)]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -60,6 +62,9 @@ def make(
     if layout == "strided":
         full = (*shape[:-1], 2 * shape[-1])
         return make(full, dtype, device, gen, low=low)[..., ::2]
+    if layout == "row-strided":
+        full = (*shape[:-1], shape[-1] + 3)
+        return make(full, dtype, device, gen, low=low)[..., : shape[-1]]
     extra = 1 if layout == "offset" else 0
     values = torch.randn(numel + extra, generator=gen, dtype=torch.float64)
     if low is not None:

@@ -84,6 +84,34 @@ def test_adam_epilogue(device, gen, dtype, layout, config):
     assert_bitwise(exp_avgs, ref_avgs)
 
 
+@pytest.mark.parametrize("sr", [False, True])
+def test_a_conv_shaped_view_of_a_matrix_is_read_where_it_lies(device, gen, sr):
+    """The preconditioned weight of a conv with a bias: M[:, :-1] of M (d_C, d_K) reshaped
+    to the weight's 4-D shape (rows contiguous, a row stride of d_K)."""
+    M = make((4, 2 * 3 * 3 + 1), torch.float32, device, gen)
+    update = M[:, :-1].reshape(4, 2, 3, 3)
+    params = [make((4, 2, 3, 3), torch.bfloat16, device, gen)]
+    bufs = [make((4, 2, 3, 3), torch.float32, device, gen)]
+    ref_params, ref_bufs = clones(params), clones(bufs)
+    hyper = dict(lr=0.1, momentum=0.9, weight_decay=0.01, decoupled=False)
+    inv_scale, found_inf = _scalars(0.5, device)
+    torch.ops.singd_cuda.sgd_epilogue_(
+        params, [update], bufs, *hyper.values(), inv_scale, found_inf, sr, 7
+    )
+    reference.sgd_epilogue_(
+        ref_params,
+        [update.contiguous()],
+        ref_bufs,
+        **hyper,
+        inv_scale=inv_scale,
+        found_inf=found_inf,
+        stochastic_rounding=sr,
+        seed=7,
+    )
+    assert_bitwise(params, ref_params)
+    assert_bitwise(bufs, ref_bufs)
+
+
 def test_sgd_without_momentum_leaves_buffers_and_accepts_none(device, gen):
     params = [make((5, 3), torch.float32, device, gen)]
     updates = [make((5, 3), torch.float32, device, gen)]
