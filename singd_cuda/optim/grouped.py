@@ -15,7 +15,7 @@ from collections.abc import Callable, Hashable, Sequence
 import torch
 from torch import Tensor
 
-from ..curvature.layers import Layer
+from ..curvature.layers import Layer, gradient_matrix
 from ..structures.block_diagonal import BlockDiagonal
 from ..structures.dense import Dense
 from ..structures.hierarchical import SymmetricArrow
@@ -30,13 +30,14 @@ def partition(items: Sequence, key: Callable[[object], Hashable]) -> list[list]:
     return list(parts.values())
 
 
-def stacked_gradients(layers: Sequence[Layer], dtype: torch.dtype) -> Tensor:
-    """G of every layer (:func:`~singd_cuda.curvature.layers.gradient_matrix`), stacked:
-    (L, d_C, d_K) in ``dtype``, the bias gradient as the last column; zeros for a
-    parameter without a gradient. One foreach copy for all layers."""
+def stacked_gradients(layers: Sequence[Layer], dtype: torch.dtype, start: int = 0) -> Tensor:
+    """Columns ``start``.. of G (:func:`~singd_cuda.curvature.layers.gradient_matrix`) of
+    every layer, stacked: (L, d_C, d_K - start) in ``dtype``, the bias gradient as the last
+    column; zeros for a parameter without a gradient. ``start`` must not pass the weight's
+    columns. One foreach copy for all layers."""
     first = layers[0]
     out = torch.empty(
-        len(layers), first.dim_out, first.dim_in, dtype=dtype, device=first.weight.device
+        len(layers), first.dim_out, first.dim_in - start, dtype=dtype, device=first.weight.device
     )
     targets, sources = [], []
     for i, layer in enumerate(layers):
@@ -49,20 +50,23 @@ def stacked_gradients(layers: Sequence[Layer], dtype: torch.dtype) -> Tensor:
                 continue
             grad = param.grad.detach()
             targets.append(target)
-            sources.append(layer.kind.weight_matrix(grad) if param is layer.weight else grad)
+            is_weight = param is layer.weight
+            sources.append(layer.kind.weight_matrix(grad)[:, start:] if is_weight else grad)
     if targets:
         torch._foreach_copy_(targets, sources)
     return out
 
 
 class StackedProduct:
-    """L matrices P_l (the cached K Kᵀ or C Cᵀ of L layers) in one stacked form, with
-    ``matmul(X)`` = (P_l X_l)_l for X of shape (L, d, n), in promote(P, X).
+    """L matrices P_l (the cached K Kᵀ or C Cᵀ of L layers) in one stacked form:
+    :meth:`matmul_` computes P_l X_l in place, :meth:`gradients_times_transpose` G_l P_lᵀ
+    from the layers' gradients.
 
     Built by :meth:`stack` from the per-layer forms that ``times_transpose`` returns:
     :class:`Dense` (stacked (L, d, d), one bmm), :class:`BlockDiagonal` (blocks
-    (L·n, b, b), one bmm over every block of every layer, plus the trailing blocks) and
-    :class:`SymmetricArrow` (border rows (L, k, d) and middle diagonals (L, m)).
+    (L, n, b, b) and trailing blocks (L, r, r); batched products over strided views, a few
+    per layer, since one call over every block of every layer would need copies of X)
+    and :class:`SymmetricArrow` (border rows (L, k, d) and middle diagonals (L, m)).
     """
 
     KINDS = (Dense, BlockDiagonal, SymmetricArrow)
@@ -81,72 +85,113 @@ class StackedProduct:
         parts = {name: torch.stack([p.parts[name] for p in products]) for name in first.parts}
         return cls(kind, parts, first.k1 if kind is SymmetricArrow else 0)
 
-    def matmul(self, X: Tensor) -> Tensor:
-        dtype = torch.promote_types(next(iter(self.parts.values())).dtype, X.dtype)
+    def _parts(self, dtype: torch.dtype) -> tuple[torch.dtype, dict[str, Tensor]]:
+        dtype = torch.promote_types(next(iter(self.parts.values())).dtype, dtype)
+        return dtype, {name: part.to(dtype) for name, part in self.parts.items()}
+
+    def matmul_(self, X: Tensor) -> Tensor:
+        """X_l <- P_l X_l for X of shape (L, d, n), in place when X has the dtype
+        promote(P, X) (else in a converted copy); returns the result. Temporaries: a few
+        rows (block-diagonal), the border rows (arrow), X's size (dense)."""
+        dtype, parts = self._parts(X.dtype)
         X = X.to(dtype)
-        parts = {name: part.to(dtype) for name, part in self.parts.items()}
         if self.kind is Dense:
-            return torch.bmm(parts["mat"], X)
+            return X.copy_(torch.bmm(parts["mat"], X))
         if self.kind is BlockDiagonal:
-            return _block_diagonal_matmul(parts["blocks"], parts["last"], X)
-        return _arrow_matmul(self.k1, parts["border"], parts["middle"], X)
+            return _block_diagonal_matmul_(parts["blocks"], parts["last"], X)
+        return _arrow_matmul_(self.k1, parts["border"], parts["middle"], X)
 
-    def matmul_transposed(self, X: Tensor) -> Tensor:
-        """(P_l X_lᵀ)ᵀ = X_l P_lᵀ for X of shape (L, n, d) (row-major, like the gradients):
-        the same products as :meth:`matmul` on X.mT without a transposing copy of X."""
-        dtype = torch.promote_types(next(iter(self.parts.values())).dtype, X.dtype)
-        X = X.to(dtype)
-        parts = {name: part.to(dtype) for name, part in self.parts.items()}
+    def gradients_times_transpose(
+        self, layers: Sequence[Layer], dtype: torch.dtype, inv_scale: Tensor | None
+    ) -> Tensor:
+        """G_l P_lᵀ · inv_scale for the gradients G_l of ``layers`` (as
+        :func:`stacked_gradients`; ``inv_scale`` a scalar tensor or None for 1): (L, d_C,
+        d_K) in promote(P, dtype), row-major like the gradients. One gradient-sized
+        allocation: block-diagonal P reads the weight gradients where they lie, the other
+        kinds multiply a stacked copy of G."""
+        dtype, parts = self._parts(dtype)
+        if self.kind is BlockDiagonal:
+            if inv_scale is not None:  # scaling the b x b blocks is cheaper than scaling G
+                parts = {name: part * inv_scale.to(dtype) for name, part in parts.items()}
+            return _block_diagonal_gradients_times_transpose(
+                layers, parts["blocks"], parts["last"], dtype
+            )
+        G = stacked_gradients(layers, dtype)
+        if inv_scale is not None:
+            G.mul_(inv_scale.to(dtype))
         if self.kind is Dense:
-            return torch.bmm(X, parts["mat"].mT)
-        if self.kind is SymmetricArrow:
-            return _arrow_matmul_transposed(self.k1, parts["border"], parts["middle"], X)
-        blocks, last = parts["blocks"], parts["last"]
-        n, b = blocks.shape[1], blocks.shape[2]
-        # column block j of X times block jᵀ: a product over (layer, block), reading X in
-        # rows of b contiguous entries
-        head = torch.matmul(X[:, :, : n * b].unflatten(2, (n, b)).transpose(1, 2), blocks.mT)
-        out = X.new_empty(X.shape)
-        out[:, :, : n * b].unflatten(2, (n, b)).copy_(head.transpose(1, 2))
-        if last.shape[1]:
-            torch.bmm(X[:, :, n * b :], last.mT, out=out[:, :, n * b :])
-        return out
+            return torch.bmm(G, parts["mat"].mT)
+        return _arrow_matmul_transposed_(self.k1, parts["border"], parts["middle"], G)
 
 
-def _block_diagonal_matmul(blocks: Tensor, last: Tensor, X: Tensor) -> Tensor:
-    """blockdiag(blocks_l, last_l) X_l for blocks (L, n, b, b), last (L, r, r), X (L, d, m)."""
+# temporaries of the in-place block-diagonal product hold about this many values
+_CHUNK_ELEMENTS = 1 << 18
+
+
+def _block_diagonal_matmul_(blocks: Tensor, last: Tensor, X: Tensor) -> Tensor:
+    """X_l <- blockdiag(blocks_l, last_l) X_l for blocks (L, n, b, b), last (L, r, r), X
+    (L, d, m), through one temporary of at most a few blocks' rows; returns X."""
     L, n, b, _ = blocks.shape
     m = X.shape[2]
-    head = X[:, : n * b].reshape(L * n, b, m)  # a view when X is contiguous and r = 0
-    if last.shape[1] == 0:
-        return torch.bmm(blocks.reshape(L * n, b, b), head).view(L, n * b, m)
-    out = X.new_empty(X.shape)
-    out[:, : n * b] = torch.bmm(blocks.reshape(L * n, b, b), head).view(L, n * b, m)
-    out[:, n * b :] = torch.bmm(last, X[:, n * b :])
+    step = max(1, min(n, _CHUNK_ELEMENTS // max(b * m, 1)))
+    rows = X.new_empty(step, b, m)
+    for layer in range(L):
+        for i in range(0, n, step):
+            k = min(step, n - i)
+            chunk = X[layer, i * b : (i + k) * b].view(k, b, m)
+            torch.bmm(blocks[layer, i : i + k], chunk, out=rows[:k])
+            chunk.copy_(rows[:k])
+    if last.shape[1]:
+        tail = X[:, n * b :]
+        tail.copy_(torch.bmm(last, tail))
+    return X
+
+
+def _block_diagonal_gradients_times_transpose(
+    layers: Sequence[Layer], blocks: Tensor, last: Tensor, dtype: torch.dtype
+) -> Tensor:
+    """G_l blockdiag(blocks_l, last_l)ᵀ for the gradients G_l of ``layers``: (L, d_C, d_K)
+    in ``dtype``. Column block j of the result is G_l[:, block j] blocks_l[j]ᵀ: one batched
+    product per layer over strided views of the weight gradient (no copy of G), written
+    into the result in place; the trailing r columns (weight and bias) are gathered."""
+    L, n, b, _ = blocks.shape
+    first = layers[0]
+    head_width = n * b
+    out = torch.empty(L, first.dim_out, first.dim_in, dtype=dtype, device=blocks.device)
+    for index, layer in enumerate(layers):
+        target = out[index, :, :head_width].unflatten(1, (n, b)).transpose(0, 1)  # (n, d_C, b)
+        grad = layer.weight.grad
+        if grad is None:
+            target.zero_()
+            continue
+        W = layer.kind.weight_matrix(grad.detach()).to(dtype)
+        if W.shape[1] < head_width:  # the last full block holds the bias column
+            W = gradient_matrix(layer, dtype)
+        head = W[:, :head_width].unflatten(1, (n, b)).transpose(0, 1)
+        torch.bmm(head, blocks[index].mT, out=target)
+    if last.shape[1]:
+        tails = stacked_gradients(layers, dtype, start=head_width)
+        torch.bmm(tails, last.mT, out=out[:, :, head_width:])
     return out
 
 
-def _arrow_matmul(k1: int, border: Tensor, middle: Tensor, X: Tensor) -> Tensor:
-    """:meth:`SymmetricArrow.matmul` of every layer: border (L, k1 + k2, d), middle (L, m),
-    X (L, d, n)."""
+def _arrow_matmul_(k1: int, border: Tensor, middle: Tensor, X: Tensor) -> Tensor:
+    """X_l <- P_l X_l for the symmetric arrows P_l of :class:`SymmetricArrow`: border (L,
+    k1 + k2, d), middle (L, m), X (L, d, n); temporaries of the border rows only; returns X."""
     s = k1 + middle.shape[1]
     rows = torch.bmm(border, X)
-    out = X.new_empty(X.shape)
-    out[:, :k1], out[:, s:] = rows[:, :k1], rows[:, k1:]
     X_border = torch.cat([X[:, :k1], X[:, s:]], dim=1)
-    middle_rows = torch.mul(middle[:, :, None], X[:, k1:s], out=out[:, k1:s])
-    middle_rows.baddbmm_(border[:, :, k1:s].mT, X_border)
-    return out
+    X[:, k1:s].mul_(middle[:, :, None]).baddbmm_(border[:, :, k1:s].mT, X_border)
+    X[:, :k1], X[:, s:] = rows[:, :k1], rows[:, k1:]
+    return X
 
 
-def _arrow_matmul_transposed(k1: int, border: Tensor, middle: Tensor, X: Tensor) -> Tensor:
-    """X_l P_lᵀ = X_l P_l (P symmetric) for X (L, n, d): the products of
-    :func:`_arrow_matmul` on X.mT, transposed, on row-major X."""
+def _arrow_matmul_transposed_(k1: int, border: Tensor, middle: Tensor, X: Tensor) -> Tensor:
+    """X_l <- X_l P_lᵀ = X_l P_l (P symmetric) for X (L, n, d): the products of
+    :func:`_arrow_matmul_` on X.mT, on row-major X; returns X."""
     s = k1 + middle.shape[1]
-    rows = torch.bmm(X, border.mT)  # the border columns
-    out = X.new_empty(X.shape)
-    out[:, :, :k1], out[:, :, s:] = rows[:, :, :k1], rows[:, :, k1:]
+    cols = torch.bmm(X, border.mT)  # the border columns
     X_border = torch.cat([X[:, :, :k1], X[:, :, s:]], dim=2)
-    middle_cols = torch.mul(X[:, :, k1:s], middle[:, None, :], out=out[:, :, k1:s])
-    middle_cols.baddbmm_(X_border, border[:, :, k1:s])
-    return out
+    X[:, :, k1:s].mul_(middle[:, None, :]).baddbmm_(X_border, border[:, :, k1:s])
+    X[:, :, :k1], X[:, :, s:] = cols[:, :, :k1], cols[:, :, k1:]
+    return X

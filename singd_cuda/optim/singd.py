@@ -337,20 +337,21 @@ class SingdRule(LayerRule):
 
     def _natural_stacked(self, layers, group, states, inv_scale, step: int) -> list[Tensor]:
         """Ĝ = (C Cᵀ) G (K Kᵀ) (d_C x d_K, unscaled) of layers of equal group key."""
-        G = stacked_gradients(layers, accumulation_dtype(layers[0].weight.dtype))
-        if inv_scale is not None:
-            G.mul_(inv_scale.to(G.dtype))
+        dtype = accumulation_dtype(layers[0].weight.dtype)
         CCt, KKt = (None, None)
         if len(layers) > 1:
             CCt, KKt = self._stacked_outer(layers, group, states, step)
         if CCt is None:
+            G = stacked_gradients(layers, dtype)
+            if inv_scale is not None:
+                G.mul_(inv_scale.to(G.dtype))
             return [
                 self._natural(layer, group, s[0], G_l, step)
                 for layer, s, G_l in zip(layers, states, G.unbind(0), strict=True)
             ]
-        # K side first (G K Kᵀ = (K Kᵀ Gᵀ)ᵀ), C side last: Ĝ comes out row-major like the
+        # K side first (G K Kᵀ), C side last, in place: Ĝ comes out row-major like the
         # parameters
-        return list(CCt.matmul(KKt.matmul_transposed(G)).unbind(0))
+        return list(CCt.matmul_(KKt.gradients_times_transpose(layers, dtype, inv_scale)).unbind(0))
 
     def _natural(self, layer, group, state, G: Tensor, step: int) -> Tensor:
         """Ĝ = (C Cᵀ) G (K Kᵀ) of one layer, for G (d_C, d_K)."""

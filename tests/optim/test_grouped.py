@@ -20,6 +20,7 @@ T = 3
 CASES = {
     "dense": dict(structures="dense"),
     "block_diagonal": dict(structures="block_diagonal:5"),
+    "block_diagonal-bias-in-a-full-block": dict(structures="block_diagonal:13"),
     "hierarchical": dict(structures="hierarchical:3,2"),
     "diagonal": dict(structures="diagonal"),
     "mixed-sides": dict(structures=("hierarchical:2,3", "block_diagonal:4")),
@@ -80,7 +81,7 @@ def stacked_calls(monkeypatch) -> dict[str, int]:
     """Counts the stacked factor updates, stacked products and multi-layer diagonal
     factor updates, so that a test sees the stacked path run."""
     calls = {"update": 0, "matmul": 0, "diagonal": 0}
-    update, matmul = singd_module._stacked_factor_update, StackedProduct.matmul
+    update, matmul = singd_module._stacked_factor_update, StackedProduct.matmul_
     diagonal = ops.diag_factor_update_
 
     def count_update(*args, **kwargs):
@@ -96,7 +97,7 @@ def stacked_calls(monkeypatch) -> dict[str, int]:
         return diagonal(k, *args, **kwargs)
 
     monkeypatch.setattr(singd_module, "_stacked_factor_update", count_update)
-    monkeypatch.setattr(StackedProduct, "matmul", count_matmul)
+    monkeypatch.setattr(StackedProduct, "matmul_", count_matmul)
     monkeypatch.setattr(singd_module.ops, "diag_factor_update_", count_diagonal)
     return calls
 
@@ -124,6 +125,41 @@ def test_stacked_equals_per_layer_in_float64(case, stacked_calls):
                 for name, part in value.items():
                     other = states[1][index][key][name]
                     torch.testing.assert_close(part, other, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", ["dense", "block_diagonal", "hierarchical"])
+def test_stacked_with_frozen_parameters_equals_per_layer(case, stacked_calls):
+    """A frozen bias, and a frozen weight beside a trained bias, inside stacked groups."""
+    data = batches(2 * T + 2)
+    models = [Stack(), Stack()]
+    for model in models:
+        model.body[0].bias.requires_grad_(False)
+        model.body[2].weight.requires_grad_(False)
+    opts = [make(models[0], **CASES[case]), per_layer(make(models[1], **CASES[case]))]
+    train(models[0], opts[0], data)
+    train(models[1], opts[1], data)
+    assert stacked_calls["matmul"] > 0
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", ["dense", "block_diagonal", "hierarchical"])
+def test_stacked_with_a_loss_scale_equals_unscaled(case, stacked_calls):
+    """GradScaler's constant power-of-two scale is exact: the stacked products, which
+    unscale the gradients through the cached K Kᵀ, give the unscaled run's weights."""
+    data = batches(2 * T + 2)
+    models = [Stack(), Stack()]
+    opts = [make(model, **CASES[case]) for model in models]
+    train(models[0], opts[0], data)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=10**6)
+    for x, y in data:
+        opts[1].zero_grad()
+        scaler.scale(((models[1](x) - y.to(x.dtype)) ** 2).mean()).backward()
+        scaler.step(opts[1])
+        scaler.update()
+    assert stacked_calls["matmul"] > 0
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)
 
 
 @pytest.mark.parametrize("case", ["dense", "hierarchical", "diagonal"])
