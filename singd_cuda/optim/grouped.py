@@ -63,7 +63,7 @@ class StackedProduct:
     from the layers' gradients.
 
     Built by :meth:`stack` from the per-layer forms that ``times_transpose`` returns:
-    :class:`Dense` (stacked (L, d, d), one bmm), :class:`BlockDiagonal` (blocks
+    :class:`Dense` (stacked (L, d, d)), :class:`BlockDiagonal` (blocks
     (L, n, b, b) and trailing blocks (L, r, r); batched products over strided views, a few
     per layer, since one call over every block of every layer would need copies of X)
     and :class:`SymmetricArrow` (border rows (L, k, d) and middle diagonals (L, m)).
@@ -92,11 +92,11 @@ class StackedProduct:
     def matmul_(self, X: Tensor) -> Tensor:
         """X_l <- P_l X_l for X of shape (L, d, n), in place when X has the dtype
         promote(P, X) (else in a converted copy); returns the result. Temporaries: a few
-        rows (block-diagonal), the border rows (arrow), X's size (dense)."""
+        rows or columns (:data:`_CHUNK_ELEMENTS`), the border rows (arrow)."""
         dtype, parts = self._parts(X.dtype)
         X = X.to(dtype)
         if self.kind is Dense:
-            return X.copy_(torch.bmm(parts["mat"], X))
+            return _dense_matmul_(parts["mat"], X)
         if self.kind is BlockDiagonal:
             return _block_diagonal_matmul_(parts["blocks"], parts["last"], X)
         return _arrow_matmul_(self.k1, parts["border"], parts["middle"], X)
@@ -120,12 +120,41 @@ class StackedProduct:
         if inv_scale is not None:
             G.mul_(inv_scale.to(dtype))
         if self.kind is Dense:
-            return torch.bmm(G, parts["mat"].mT)
+            return _dense_matmul_transposed_(parts["mat"], G)
         return _arrow_matmul_transposed_(self.k1, parts["border"], parts["middle"], G)
 
 
-# temporaries of the in-place block-diagonal product hold about this many values
-_CHUNK_ELEMENTS = 1 << 18
+# the temporaries of the in-place dense and block-diagonal products hold about this many
+# values (a small fraction of a gradient, so that a step allocates about one gradient)
+_CHUNK_ELEMENTS = 1 << 16
+
+
+def _dense_matmul_(mats: Tensor, X: Tensor) -> Tensor:
+    """X_l <- P_l X_l for P (L, d, d), X (L, d, m), a few columns at a time; returns X."""
+    L, d, m = X.shape
+    step = max(1, min(m, _CHUNK_ELEMENTS // max(d, 1)))
+    cols = X.new_empty(d, step)
+    for layer in range(L):
+        for j in range(0, m, step):
+            chunk = X[layer, :, j : j + step]
+            out = cols[:, : chunk.shape[1]]
+            torch.mm(mats[layer], chunk, out=out)
+            chunk.copy_(out)
+    return X
+
+
+def _dense_matmul_transposed_(mats: Tensor, X: Tensor) -> Tensor:
+    """X_l <- X_l P_lᵀ for P (L, d, d), X (L, n, d), a few rows at a time; returns X."""
+    L, n, d = X.shape
+    step = max(1, min(n, _CHUNK_ELEMENTS // max(d, 1)))
+    rows = X.new_empty(step, d)
+    for layer in range(L):
+        for i in range(0, n, step):
+            chunk = X[layer, i : i + step]
+            out = rows[: chunk.shape[0]]
+            torch.mm(chunk, mats[layer].mT, out=out)
+            chunk.copy_(out)
+    return X
 
 
 def _block_diagonal_matmul_(blocks: Tensor, last: Tensor, X: Tensor) -> Tensor:
@@ -161,12 +190,13 @@ def _block_diagonal_gradients_times_transpose(
     for index, layer in enumerate(layers):
         target = out[index, :, :head_width].unflatten(1, (n, b)).transpose(0, 1)  # (n, d_C, b)
         grad = layer.weight.grad
-        if grad is None:
+        if layer.dim_in - (layer.bias is not None) < head_width:  # a block holds the bias
+            W = gradient_matrix(layer, dtype)
+        elif grad is None:
             target.zero_()
             continue
-        W = layer.kind.weight_matrix(grad.detach()).to(dtype)
-        if W.shape[1] < head_width:  # the last full block holds the bias column
-            W = gradient_matrix(layer, dtype)
+        else:
+            W = layer.kind.weight_matrix(grad.detach()).to(dtype)
         head = W[:, :head_width].unflatten(1, (n, b)).transpose(0, 1)
         torch.bmm(head, blocks[index].mT, out=target)
     if last.shape[1]:

@@ -338,9 +338,7 @@ class SingdRule(LayerRule):
     def _natural_stacked(self, layers, group, states, inv_scale, step: int) -> list[Tensor]:
         """Ĝ = (C Cᵀ) G (K Kᵀ) (d_C x d_K, unscaled) of layers of equal group key."""
         dtype = accumulation_dtype(layers[0].weight.dtype)
-        CCt, KKt = (None, None)
-        if len(layers) > 1:
-            CCt, KKt = self._stacked_outer(layers, group, states, step)
+        CCt, KKt = self._stacked_outer(layers, group, states, step)
         if CCt is None:
             G = stacked_gradients(layers, dtype)
             if inv_scale is not None:

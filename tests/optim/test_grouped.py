@@ -67,8 +67,12 @@ def train(model, opt, data) -> None:
 
 
 def per_layer(opt: SINGD) -> SINGD:
-    """The reference: no two layers share a group key, so each runs the per-layer path."""
-    opt._rules["singd"].group_key = lambda *args: None
+    """The reference: no two layers share a group key, and no layer is preconditioned
+    through stacked products, so each runs the per-layer path (the structures' own
+    products)."""
+    rule = opt._rules["singd"]
+    rule.group_key = lambda *args: None
+    rule._stacked_outer = lambda *args: (None, None)
     return opt
 
 
@@ -127,7 +131,9 @@ def test_stacked_equals_per_layer_in_float64(case, stacked_calls):
                     torch.testing.assert_close(part, other, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("case", ["dense", "block_diagonal", "hierarchical"])
+@pytest.mark.parametrize(
+    "case", ["dense", "block_diagonal", "block_diagonal-bias-in-a-full-block", "hierarchical"]
+)
 def test_stacked_with_frozen_parameters_equals_per_layer(case, stacked_calls):
     """A frozen bias, and a frozen weight beside a trained bias, inside stacked groups."""
     data = batches(2 * T + 2)
