@@ -515,8 +515,8 @@ def targets(rows: list[dict]) -> list[str]:
             ok = row["alloc_bytes"] <= row["grad_bytes"]
             lines.append(
                 f"- {'met' if ok else 'MISSED'}: {row['alloc_bytes'] / 1024:.0f} KiB allocated "
-                f"per steady-state step <= one gradient ({row['grad_bytes'] / 1024:.0f} KiB) "
-                f"({where})"
+                f"per steady-state step <= one gradient ({row['grad_bytes'] / 1024:.0f} KiB): "
+                f"{row['alloc_bytes'] / row['grad_bytes']:.2f} gradients ({where})"
             )
         if row["structure"] in ("diagonal", "adafisher"):
             ok = row["vs_foreach"] <= TARGET_VS_ADAMW
