@@ -313,9 +313,10 @@ class KroneckerOptimizer(Optimizer):
 
     def _find_layers(self, model: nn.Module) -> list[Layer]:
         """One layer per trained weight of supported modules (several modules sharing a
-        weight make one layer). Weights that other modules hold too (an embedding tied to
-        an output layer), that a module uses without its forward, or that were found used
-        outside their modules train with the fallback instead."""
+        weight make one layer; an output head tied to an ``nn.Embedding`` is one layer of
+        the head's calls). Weights that other modules hold too, that a module uses without
+        its forward, or that were found used outside their modules train with the fallback
+        instead."""
         trained = {id(p) for g in self.param_groups for p in g["params"]}
         skipped = bypassed_modules(model) | self._used_outside
         holders: dict[int, list[tuple[str, nn.Module]]] = {}
@@ -332,9 +333,9 @@ class KroneckerOptimizer(Optimizer):
                 continue
             seen.add(id(weight))
             sharing = holders[id(weight)]
-            if any(type(m) is not type(module) for _, m in sharing):
+            if any(type(m) is not type(module) and not _tied_embedding(m) for _, m in sharing):
                 continue  # tied to another kind of module: the fallback trains it
-            modules = tuple(m for _, m in sharing)
+            modules = tuple(m for _, m in sharing if type(m) is type(module))
             biases = {id(m.bias) if m.bias is not None else None for m in modules}
             bias = module.bias if len(biases) == 1 and id(module.bias) in trained else None
             if bias is not None and not bias.requires_grad:
@@ -892,6 +893,14 @@ def _unscaled(grad: Tensor, grad_scale: Tensor | None) -> Tensor:
     """grad / grad_scale in the accumulation dtype of grad's dtype (float32 for half types)."""
     grad = upcast(grad)
     return grad if grad_scale is None else grad / grad_scale.to(grad.device, grad.dtype)
+
+
+def _tied_embedding(module: nn.Module) -> bool:
+    """An ``nn.Embedding`` whose weight a matmul layer may share (an input embedding tied
+    to the output head): its dense row gradients add to the head's, and the head's calls
+    give the statistics. Sparse gradients and ``max_norm`` (which rewrites the weight in
+    the forward) keep the weight with the fallback."""
+    return isinstance(module, nn.Embedding) and not module.sparse and module.max_norm is None
 
 
 def sgd_update_(

@@ -12,12 +12,6 @@ from torch import nn
 
 from singd_cuda import is_supported
 
-# The capture contract for weights held by a supported layer and by another module too
-# (an output head tied to the input embedding): such a weight trains with the AdamW
-# fallback (README, "What counts as curvature").
-TIED_HEADS_IN_FALLBACK = True
-
-
 @pytest.fixture(autouse=True, scope="package")
 def _one_intra_op_thread():
     """Tiny tensors: intra-op threads only add overhead on a shared machine."""
@@ -131,13 +125,7 @@ def build(name: str, seed: int = 0) -> RealModel:
 def expected_split(model: nn.Module) -> tuple[set[str], set[str]]:
     """(names of the modules to precondition, names of supported modules whose weight the
     fallback trains): every matmul layer (Linear, Conv2d, Hugging Face Conv1D) is
-    preconditioned, except a head tied to an input embedding under the capture contract
-    (:data:`TIED_HEADS_IN_FALLBACK`)."""
-    embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    preconditioned, fallback = set(), set()
-    for name, module in model.named_modules():
-        if not is_supported(module):
-            continue
-        tied = id(module.weight) in embedded
-        (fallback if tied and TIED_HEADS_IN_FALLBACK else preconditioned).add(name)
-    return preconditioned, fallback
+    preconditioned, an output head tied to the input embedding included (README, "What
+    counts as curvature")."""
+    preconditioned = {name for name, module in model.named_modules() if is_supported(module)}
+    return preconditioned, set()

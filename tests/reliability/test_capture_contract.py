@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from singd_cuda import SINGD
+
 from .conftest import (
     NAMES,
     assert_close_params,
@@ -209,12 +211,13 @@ class TiedLM(nn.Module):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_tied_embedding_trains_with_the_fallback(name):
-    """A weight tied to an embedding is not preconditioned: the AdamW fallback trains it
-    (the other layers keep their curvature), and training is finite and makes progress."""
+def test_tied_embedding_is_one_layer_of_the_head(name):
+    """A head tied to an input embedding is preconditioned as one layer of the head's
+    calls (its gradient: the head's plus the embedding rows'); training is finite and
+    makes progress."""
     model = TiedLM()
     opt = make_optimizer(name, model)
-    assert [layer.name for layer in opt.layers] == ["mix"]
+    assert [layer.name for layer in opt.layers] == ["mix", "head"]
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 11, (16, 6), generator=gen)
     losses = []
@@ -227,6 +230,30 @@ def test_tied_embedding_trains_with_the_fallback(name):
         losses.append(loss.item())
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < losses[0]
+
+
+def test_a_tied_head_steps_once_with_the_heads_statistics():
+    """The tied weight's factors are those of an untied twin's head (statistics of the
+    head's calls only), and it moves once, by the preconditioned total gradient:
+    W - lr (C Cᵀ) G (K Kᵀ) with G = the head's gradient + the embedding rows'."""
+    tied = TiedLM().double()
+    untied = TiedLM().double()
+    untied.head.weight = nn.Parameter(untied.embed.weight.detach().clone())
+    hyper = dict(structures="dense", lr=0.1, T=1, momentum=0.0, warm_start=False)
+    opts = [SINGD(model, **hyper) for model in (tied, untied)]
+    tokens = torch.randint(0, 11, (16, 6), generator=torch.Generator().manual_seed(0))
+    before = tied.head.weight.detach().clone()
+    for model, opt in zip((tied, untied), opts, strict=True):
+        logits = model(tokens[:, :-1])
+        F.cross_entropy(logits.reshape(-1, 11), tokens[:, 1:].reshape(-1)).backward()
+        opt.step()
+    state, twin = opts[0].state[tied.head.weight], opts[1].state[untied.head.weight]
+    for side in ("K", "C"):
+        torch.testing.assert_close(state[side]["mat"], twin[side]["mat"], rtol=1e-12, atol=0)
+    K, C = state["K"]["mat"], state["C"]["mat"]
+    G = tied.head.weight.grad
+    expected = before - 0.1 * (C @ C.T) @ G @ (K @ K.T)
+    torch.testing.assert_close(tied.head.weight.detach(), expected, rtol=1e-12, atol=1e-14)
 
 
 class OutsideUse(nn.Module):
