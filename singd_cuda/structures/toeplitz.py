@@ -47,8 +47,9 @@ from .base import SMALL_DENSE_DIM, StructuredMatrix, accumulation_dtype, upcast
 # autocorrelation are summed directly (see _lagged_products_sum).
 _DIRECT_TAIL = 64
 # CPU FFTs run over chunks of rows whose padded signals hold about this many values
-# (1 MiB in float32: a chunk stays in cache through all its FFTs).
-_CHUNK_ELEMENTS = 1 << 18
+# (512 KiB in float32, the L2 cache of one core here: a chunk stays in cache through
+# all its FFTs).
+_CHUNK_ELEMENTS = 1 << 17
 
 
 def _smooth_length(n: int) -> int:
