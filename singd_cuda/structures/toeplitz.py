@@ -184,19 +184,28 @@ class _Convolver:
                 signal[:, ends] = wrapped
         return signal
 
+    def _chunked(self, source: Tensor, out: Tensor, kinds: tuple[str, ...]) -> None:
+        """out ← the products ``kinds`` of the rows of ``source`` (rows, d), over chunks
+        of rows. A complex ``source`` holds pairs of signals; ``out`` is then (rows, 2, d),
+        the real and imaginary parts of each result, else (rows, d)."""
+        rows, d = source.shape
+        if not rows:
+            return  # (split would still give one, empty, chunk)
+        paired = source.is_complex()
+        step = _rows_per_chunk(rows, self.n_fft * (2 if paired else 1), source.device)
+        # zero-padded input rows; copying into it beats the padding inside torch.fft
+        padded = source.new_zeros((min(step, rows), self.n_fft))
+        for chunk, target in zip(source.split(step), out.split(step), strict=True):
+            signal = padded if chunk.shape[0] == step else padded[: chunk.shape[0]]
+            signal[:, :d] = chunk
+            result = self._products(signal, kinds, paired)[:, :d]
+            target.copy_(torch.view_as_real(result).transpose(1, 2) if paired else result)
+
     def rows(self, X: Tensor, kinds: tuple[str, ...]) -> Tensor:
         """The products ``kinds`` ("conv" / "corr", in order) applied to every row of
         X (rows, d), any strides; returns a new contiguous (rows, d) tensor."""
-        rows, d = X.shape
-        step = _rows_per_chunk(rows, self.n_fft, X.device)
-        # zero-padded input rows; copying into it beats the padding inside torch.fft
-        padded = X.new_zeros((min(step, rows), self.n_fft))
-        out = X.new_empty((rows, d))
-        for start in range(0, rows, step):
-            chunk = X[start : start + step]
-            signal = padded[: chunk.shape[0]]
-            signal[:, :d] = chunk
-            out[start : start + step] = self._products(signal, kinds, paired=False)[:, :d]
+        out = X.new_empty(X.shape)
+        self._chunked(X, out, kinds)
         return out
 
     def columns(self, X: Tensor, kinds: tuple[str, ...]) -> Tensor:
@@ -207,15 +216,8 @@ class _Convolver:
         if not (X.is_contiguous() and n % 2 == 0 and X.storage_offset() % 2 == 0):
             return self.rows(X.T, kinds)
         pairs = torch.view_as_complex(X.view(d, n // 2, 2))  # (d, n/2): x_2j + i x_2j+1
-        step = _rows_per_chunk(n // 2, 2 * self.n_fft, X.device)
-        padded = pairs.new_zeros((min(step, n // 2), self.n_fft))
         out = X.new_empty((n // 2, 2, d))
-        for start in range(0, n // 2, step):
-            chunk = pairs[:, start : start + step].T
-            signal = padded[: chunk.shape[0]]
-            signal[:, :d] = chunk
-            result = self._products(signal, kinds, paired=True)[:, :d]
-            out[start : start + step] = torch.view_as_real(result).transpose(1, 2)
+        self._chunked(pairs.T, out, kinds)
         return out.view(n, d)
 
     def apply(self, X: Tensor, kinds: tuple[str, ...]) -> Tensor:
@@ -231,7 +233,8 @@ def _power_spectrum_sum(Y: Tensor, n_fft: int) -> Tensor:
     """Σ_rows |rfft(y, n_fft)|² over the rows y of Y (n, d), chunk by chunk."""
     rows, d = Y.shape
     total = Y.new_zeros(n_fft // 2 + 1)
-    step = _rows_per_chunk(rows, n_fft, Y.device)
+    # twice the rows of a product's chunk: no inverse FFT's output to keep in cache
+    step = _rows_per_chunk(rows, n_fft // 2, Y.device)
     padded = Y.new_zeros((min(step, rows), n_fft))
     for start in range(0, rows, step):
         chunk = Y[start : start + step]
