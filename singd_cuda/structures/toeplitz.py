@@ -34,6 +34,7 @@ float64.
 
 from __future__ import annotations
 
+import functools
 from typing import ClassVar
 
 import torch
@@ -46,8 +47,9 @@ from .base import SMALL_DENSE_DIM, StructuredMatrix, accumulation_dtype, upcast
 # autocorrelation are summed directly (see _lagged_products_sum).
 _DIRECT_TAIL = 64
 # CPU FFTs run over chunks of rows whose padded signals hold about this many values
-# (1 MiB in float32: a chunk stays in cache through all its FFTs).
-_CHUNK_ELEMENTS = 1 << 18
+# (512 KiB in float32, the L2 cache of one core here: a chunk stays in cache through
+# all its FFTs).
+_CHUNK_ELEMENTS = 1 << 17
 
 
 def _smooth_length(n: int) -> int:
@@ -71,6 +73,7 @@ def _smooth_length(n: int) -> int:
     return best
 
 
+@functools.cache
 def _fft_length(d: int) -> int:
     """The FFT length N for products of d-vectors: N >= 2d - 1 - _DIRECT_TAIL.
 
@@ -99,12 +102,13 @@ def _diagonal_sums(M: Tensor) -> Tensor:
     return skewed.sum(0)
 
 
-def _rows_per_chunk(rows: int, n_fft: int, device: torch.device) -> int:
+def _rows_per_chunk(rows: int, row_values: int, device: torch.device) -> int:
     """Rows per batch of FFTs: on the CPU, about _CHUNK_ELEMENTS values of padded
-    signal (at least 8 rows), so that a chunk stays in cache; elsewhere all rows."""
+    signal (``row_values`` per row; at least 8 rows), so that a chunk stays in cache;
+    elsewhere all rows."""
     if device.type != "cpu":
         return max(rows, 1)
-    return min(max(rows, 1), max(8, _CHUNK_ELEMENTS // n_fft))
+    return min(max(rows, 1), max(8, _CHUNK_ELEMENTS // row_values))
 
 
 def _lower_dense(c: Tensor, e: int) -> Tensor:
@@ -119,55 +123,118 @@ class _Convolver:
 
     For a row x (1 x d), "conv" gives x L(c)ᵀ = (L(c) xᵀ)ᵀ, the causal convolution
     y[i] = Σ_{k<=i} c[k] x[i - k]; "corr" gives x L(c) = (L(c)ᵀ xᵀ)ᵀ, the
-    correlation y[k] = Σ_m c[m] x[k + m], the same product with conj(rfft(c)).
-    With N = 2d - 1 - e (see _fft_length) the circular convolution wraps onto the
-    first e outputs of "conv" and the last e of "corr"; those involve only the
-    first (last) e inputs and the leading e x e block of L(c), so they are
+    correlation y[k] = Σ_m c[m] x[k + m], the same product with the conjugate
+    spectrum of c. With N = 2d - 1 - e (see _fft_length) the circular convolution
+    wraps onto the first e outputs of "conv" and the last e of "corr"; those involve
+    only the first (last) e inputs and the leading e x e block of L(c), so they are
     recomputed from the input of each product. ``c`` is in the accumulation dtype.
+
+    The signals are real rows (rfft) or, for the columns of a row-major matrix,
+    pairs of columns as one complex signal x + i x' (fft): c is real, so the real and
+    imaginary parts of the result are the two products. Reading the columns as
+    8-byte pairs halves the strided accesses of the transposing copy that a
+    row-major matrix needs. Each product's rounding error is relative to the norm
+    of its signal, so a pair's results carry errors of the order of eps times the
+    larger of the two columns.
     """
 
     def __init__(self, c: Tensor) -> None:
+        self.coeffs = c
         self.d = c.shape[0]
         self.n_fft = _fft_length(self.d)
-        self.spectrum = torch.fft.rfft(c, n=self.n_fft)
         self.wrap = max(0, 2 * self.d - 1 - self.n_fft)
-        self.corner = _lower_dense(c, self.wrap)
+        self.corner = _lower_dense(c, self.wrap) if self.wrap else None
+        self._factors: dict[tuple[bool, str], tuple[Tensor, Tensor]] = {}
+
+    def _factor(self, paired: bool, kind: str) -> tuple[Tensor, Tensor]:
+        """(spectrum, wrap corner) of one product: the rfft of c (real signals) or its
+        full fft (paired), conjugated for "corr"; the corner transposed for "conv"."""
+        key = (paired, kind)
+        if key not in self._factors:
+            fft = torch.fft.fft if paired else torch.fft.rfft
+            spectrum = fft(self.coeffs, n=self.n_fft)
+            corner = self.corner
+            if kind == "corr":
+                spectrum = spectrum.conj().resolve_conj()
+            elif corner is not None:
+                corner = corner.T
+            if paired and corner is not None:
+                corner = corner.to(spectrum.dtype)
+            self._factors[key] = (spectrum, corner)
+        return self._factors[key]
+
+    def _products(self, signal: Tensor, kinds: tuple[str, ...], paired: bool) -> Tensor:
+        """The products ``kinds`` (in order) of the padded rows ``signal`` (rows, N),
+        zero beyond column d; returns a new (rows, N) tensor, valid in its first d
+        columns. ``signal`` is left unchanged."""
+        d, n_fft, e = self.d, self.n_fft, self.wrap
+        for i, kind in enumerate(kinds):
+            spectrum, corner = self._factor(paired, kind)
+            if i:
+                signal[:, d:].zero_()  # the previous product's wrapped-around part
+            # the outputs that wrap around, and where they go, from this product's input
+            ends = slice(0, e) if kind == "conv" else slice(d - e, d)
+            wrapped = signal[:, ends] @ corner if e else None
+            # no out= here: torch's FFTs would compute into a temporary and copy
+            if paired:
+                signal = torch.fft.ifft(torch.fft.fft(signal).mul_(spectrum))
+            else:
+                signal = torch.fft.irfft(torch.fft.rfft(signal).mul_(spectrum), n=n_fft)
+            if e:
+                signal[:, ends] = wrapped
+        return signal
+
+    def _chunked(self, source: Tensor, out: Tensor, kinds: tuple[str, ...]) -> None:
+        """out ← the products ``kinds`` of the rows of ``source`` (rows, d), over chunks
+        of rows. A complex ``source`` holds pairs of signals; ``out`` is then (rows, 2, d),
+        the real and imaginary parts of each result, else (rows, d)."""
+        rows, d = source.shape
+        if not rows:
+            return  # (split would still give one, empty, chunk)
+        paired = source.is_complex()
+        step = _rows_per_chunk(rows, self.n_fft * (2 if paired else 1), source.device)
+        # zero-padded input rows; copying into it beats the padding inside torch.fft
+        padded = source.new_zeros((min(step, rows), self.n_fft))
+        for chunk, target in zip(source.split(step), out.split(step), strict=True):
+            signal = padded if chunk.shape[0] == step else padded[: chunk.shape[0]]
+            signal[:, :d] = chunk
+            result = self._products(signal, kinds, paired)[:, :d]
+            target.copy_(torch.view_as_real(result).transpose(1, 2) if paired else result)
 
     def rows(self, X: Tensor, kinds: tuple[str, ...]) -> Tensor:
         """The products ``kinds`` ("conv" / "corr", in order) applied to every row of
         X (rows, d), any strides; returns a new contiguous (rows, d) tensor."""
-        rows, d = X.shape
-        n_fft, e = self.n_fft, self.wrap
-        step = _rows_per_chunk(rows, n_fft, X.device)
-        # zero-padded input rows; copying into it beats the padding inside torch.fft
-        padded = X.new_zeros((min(step, rows), n_fft))
-        out = X.new_empty((rows, d))
-        for start in range(0, rows, step):
-            chunk = X[start : start + step]
-            signal = padded[: chunk.shape[0]]
-            signal[:, :d] = chunk
-            for i, kind in enumerate(kinds):
-                if i:
-                    signal[:, d:].zero_()  # the previous product's wrapped-around part
-                # the outputs that wrap around, and where they go, from this product's input
-                ends = slice(0, e) if kind == "conv" else slice(d - e, d)
-                corner = self.corner.T if kind == "conv" else self.corner
-                wrapped = signal[:, ends] @ corner if e else None
-                # no out= here: torch's FFTs would compute into a temporary and copy
-                spectrum = torch.fft.rfft(signal)
-                spectrum.mul_(self.spectrum if kind == "conv" else self.spectrum.conj())
-                signal = torch.fft.irfft(spectrum, n=n_fft)
-                if e:
-                    signal[:, ends] = wrapped
-            out[start : start + step] = signal[:, :d]
+        out = X.new_empty(X.shape)
+        self._chunked(X, out, kinds)
         return out
+
+    def columns(self, X: Tensor, kinds: tuple[str, ...]) -> Tensor:
+        """The products ``kinds`` applied to every column of X (d, n), any layout;
+        returns them as the rows of a new contiguous (n, d) tensor. Pairs of columns
+        run as complex signals where X is row-major with n even (see the class)."""
+        d, n = X.shape
+        if not (X.is_contiguous() and n % 2 == 0 and X.storage_offset() % 2 == 0):
+            return self.rows(X.T, kinds)
+        pairs = torch.view_as_complex(X.view(d, n // 2, 2))  # (d, n/2): x_2j + i x_2j+1
+        out = X.new_empty((n // 2, 2, d))
+        self._chunked(pairs.T, out, kinds)
+        return out.view(n, d)
+
+    def apply(self, X: Tensor, kinds: tuple[str, ...]) -> Tensor:
+        """The products ``kinds`` applied to X (d,) or to the columns of X (d, n): a new
+        (d,) tensor, or the transposed view of a new contiguous (n, d) tensor (so that
+        K.rmatmul(a.T).T comes back contiguous)."""
+        if X.dim() == 1:
+            return self.rows(X.unsqueeze(0), kinds)[0]
+        return self.columns(X, kinds).T
 
 
 def _power_spectrum_sum(Y: Tensor, n_fft: int) -> Tensor:
     """Σ_rows |rfft(y, n_fft)|² over the rows y of Y (n, d), chunk by chunk."""
     rows, d = Y.shape
     total = Y.new_zeros(n_fft // 2 + 1)
-    step = _rows_per_chunk(rows, n_fft, Y.device)
+    # twice the rows of a product's chunk: no inverse FFT's output to keep in cache
+    step = _rows_per_chunk(rows, n_fft // 2, Y.device)
     padded = Y.new_zeros((min(step, rows), n_fft))
     for start in range(0, rows, step):
         chunk = Y[start : start + step]
@@ -278,11 +345,7 @@ class _TriangularToeplitz(StructuredMatrix):
             T = TrilToeplitz(self.dim, coeffs=c).to_dense()
             return ((T.T if transpose else T) @ X_acc).to(out_dtype)
         kinds = ("corr",) if transpose else ("conv",)
-        if X_acc.dim() == 1:
-            return _Convolver(c).rows(X_acc.unsqueeze(0), kinds)[0].to(out_dtype)
-        # FFTs along the rows of Xᵀ (n, d); the result is the transposed view of a
-        # contiguous (n, d) tensor, so that K.rmatmul(a.T).T comes back contiguous.
-        return _Convolver(c).rows(X_acc.T, kinds).T.to(out_dtype)
+        return _Convolver(c).apply(X_acc, kinds).to(out_dtype)
 
     def matmul(self, X: Tensor) -> Tensor:
         return self._apply(X, transpose=not self.lower)
@@ -341,9 +404,7 @@ class _ToeplitzGram:
         contiguous (n, d) tensor; dtype promote(accumulation dtype, X)."""
         acc = accumulation_dtype(self.dtype, X.dtype)
         convolver = self.convolver if acc == self.dtype else _Convolver(self.coeffs.to(acc))
-        if X.dim() == 1:
-            return convolver.rows(upcast(X, acc).unsqueeze(0), self.kinds)[0]
-        return convolver.rows(upcast(X, acc).T, self.kinds).T
+        return convolver.apply(upcast(X, acc), self.kinds)
 
     def to_dense(self) -> Tensor:
         return self.matmul(torch.eye(self.dim, dtype=self.dtype, device=self.coeffs.device))

@@ -138,17 +138,19 @@ def test_chunked_fft_paths(S, monkeypatch):
 
 @pytest.mark.parametrize("S", [TrilToeplitz, TriuToeplitz], ids=lambda S: S.name)
 @pytest.mark.parametrize("d", [129, 300, 513, 545, 1024])
-def test_wrapped_outputs_and_times_transpose(S, d, monkeypatch):
+@pytest.mark.parametrize("n", [19, 20])
+def test_wrapped_outputs_and_times_transpose(S, d, n, monkeypatch):
     """FFT lengths below 2d - 1 (the outputs that wrap around computed directly, e of
     them: 57 at d = 129, 1 at 513, 9 at 545, none at 1024), in float64 against dense,
-    over several chunks of rows; K Kᵀ as one operator, for both triangles."""
+    over several chunks of rows (real rows for odd n, pairs of columns for even n);
+    K Kᵀ as one operator, for both triangles."""
     monkeypatch.setattr(toeplitz_module, "_CHUNK_ELEMENTS", 1)  # 8 rows per chunk
     n_fft = toeplitz_module._fft_length(d)
     assert 2 * d - 1 - toeplitz_module._DIRECT_TAIL <= n_fft
     gen = torch.Generator().manual_seed(d)
     K = S(d, coeffs=torch.randn(d, dtype=torch.float64, generator=gen))
     M = S(d, coeffs=torch.randn(d, dtype=torch.float64, generator=gen))
-    X = torch.randn(d, 19, dtype=torch.float64, generator=gen)
+    X = torch.randn(d, n, dtype=torch.float64, generator=gen)
     Y = torch.randn(19, d, dtype=torch.float64, generator=gen)
     Kd = K.to_dense()
     assert_close_normwise(K.matmul(X), Kd @ X, torch.float64)
@@ -182,3 +184,58 @@ def test_times_transpose_low_precision(dtype):
     wide = K.to(torch.float64).times_transpose().matmul(X.float())
     assert wide.dtype == torch.float64
     assert_close_normwise(wide, Kd @ Kd.T @ X.double(), torch.float64)
+
+
+@pytest.mark.parametrize("S", [TrilToeplitz, TriuToeplitz], ids=lambda S: S.name)
+@pytest.mark.parametrize("d", [130, 2048])
+def test_products_in_every_layout(S, d, monkeypatch):
+    """K X, Kᵀ X and K Kᵀ X in float64 against dense for the layouts that take different
+    paths: row-major X with an even number of columns (pairs of columns as complex
+    signals, over several chunks), odd, a column slice, a contiguous matrix at an odd
+    storage offset (no complex view), the transposed
+    view of a row-major matrix (real rows), a vector and no columns. Every matrix
+    result is the transposed view of a contiguous (n, d) tensor."""
+    monkeypatch.setattr(toeplitz_module, "_CHUNK_ELEMENTS", 1)  # 8 (pairs of) rows per chunk
+    gen = torch.Generator().manual_seed(d)
+    K = S(d, coeffs=torch.randn(d, dtype=torch.float64, generator=gen))
+    Kd = K.to_dense()
+    wide = torch.randn(d, 41, dtype=torch.float64, generator=gen)
+    layouts = {
+        "even": wide[:, :40].contiguous(),
+        "odd": wide[:, :37].contiguous(),
+        "column slice": wide[:, 1:39],
+        "odd storage offset": torch.randn(d * 40 + 1, dtype=torch.float64, generator=gen)[1:].view(
+            d, 40
+        ),
+        "transposed": torch.randn(34, d, dtype=torch.float64, generator=gen).T,
+        "empty": wide[:, :0].contiguous(),
+    }
+    P = K.times_transpose()
+    for name, X in layouts.items():
+        for out, expected in (
+            (K.matmul(X), Kd @ X),
+            (K.rmatmul(X), Kd.T @ X),
+            (P.matmul(X), Kd @ (Kd.T @ X)),
+        ):
+            assert out.shape == X.shape and out.T.is_contiguous(), name
+            assert_close_normwise(out, expected, torch.float64)
+    x = wide[:, 0]
+    assert_close_normwise(K.matmul(x), Kd @ x, torch.float64)
+    assert_close_normwise(P.matmul(x), Kd @ (Kd.T @ x), torch.float64)
+
+
+def test_paired_columns_in_float32():
+    """Pairs of float32 columns, one of them 1e4 times smaller: each result within the
+    float32 bound of the larger column of its pair (the paired FFT's error bound)."""
+    d = 1000
+    gen = torch.Generator().manual_seed(11)
+    c = torch.randn(d, generator=gen) / d**0.5
+    X = torch.randn(d, 8, generator=gen)
+    X[:, 1::2] *= 1e-4
+    for S in (TrilToeplitz, TriuToeplitz):
+        Kd = S(d, coeffs=c.double()).to_dense()
+        out = S(d, coeffs=c).matmul(X)
+        assert out.dtype == torch.float32
+        expected = Kd @ X.double()
+        for j in range(0, 8, 2):
+            assert_close_normwise(out[:, j : j + 2], expected[:, j : j + 2], torch.float32)
