@@ -3,8 +3,8 @@
 :func:`preconditioned` maps each preconditioned module's qualified name to its (K side,
 C side) structures; :func:`summary` lays out one row per preconditioned layer (module,
 kind, weight shape, structures, factor-state bytes), one row per module of a supported
-kind whose weight the AdamW fallback trains instead (e.g. an output head tied to an input
-embedding), and a last line with the fraction of trainable parameters that get curvature
+kind whose weight the AdamW fallback trains instead (e.g. an ``nn.MultiheadAttention``
+output projection), and a last line with the fraction of trainable parameters that get curvature
 and the state bytes.
 
 Factor-state bytes are the layer's curvature state (SINGD: K, m_K, C, m_C; K-FAC: A, G
@@ -67,8 +67,8 @@ def tensor_bytes(value) -> int:
 
 def fallback_modules(opt: KroneckerOptimizer) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, class name, weight shape) of the modules of a supported kind whose trained
-    weight gets the AdamW fallback instead of curvature (e.g. a head tied to an input
-    embedding, or an ``nn.MultiheadAttention.out_proj``)."""
+    weight gets the AdamW fallback instead of curvature (e.g. a weight a module of another
+    kind holds too, or an ``nn.MultiheadAttention.out_proj``)."""
     fallback = {id(p) for p in opt._fallback_params}
     seen: set[int] = set()
     rows = []

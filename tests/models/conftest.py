@@ -12,6 +12,7 @@ from torch import nn
 
 from singd_cuda import is_supported
 
+
 @pytest.fixture(autouse=True, scope="package")
 def _one_intra_op_thread():
     """Tiny tensors: intra-op threads only add overhead on a shared machine."""
