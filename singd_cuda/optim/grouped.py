@@ -120,7 +120,7 @@ class StackedProduct:
         if inv_scale is not None:
             G.mul_(inv_scale.to(dtype))
         if self.kind is Dense:
-            return _dense_matmul_transposed_(parts["mat"], G)
+            return _dense_matmul_(parts["mat"], G, transposed=True)
         return _arrow_matmul_transposed_(self.k1, parts["border"], parts["middle"], G)
 
 
@@ -129,30 +129,21 @@ class StackedProduct:
 _CHUNK_ELEMENTS = 1 << 16
 
 
-def _dense_matmul_(mats: Tensor, X: Tensor) -> Tensor:
-    """X_l <- P_l X_l for P (L, d, d), X (L, d, m), a few columns at a time; returns X."""
-    L, d, m = X.shape
+def _dense_matmul_(mats: Tensor, X: Tensor, transposed: bool = False) -> Tensor:
+    """X_l <- P_l X_l for P (L, d, d), X (L, d, m), a few columns at a time; with
+    ``transposed``, X_l <- X_l P_lᵀ for X (L, m, d), a few rows at a time. Returns X."""
+    d = X.shape[2] if transposed else X.shape[1]
+    m = X.shape[1] if transposed else X.shape[2]
     step = max(1, min(m, _CHUNK_ELEMENTS // max(d, 1)))
-    cols = X.new_empty(d, step)
-    for layer in range(L):
+    buffer = X.new_empty((step, d) if transposed else (d, step))
+    for layer, P in enumerate(mats):
         for j in range(0, m, step):
-            chunk = X[layer, :, j : j + step]
-            out = cols[:, : chunk.shape[1]]
-            torch.mm(mats[layer], chunk, out=out)
-            chunk.copy_(out)
-    return X
-
-
-def _dense_matmul_transposed_(mats: Tensor, X: Tensor) -> Tensor:
-    """X_l <- X_l P_lᵀ for P (L, d, d), X (L, n, d), a few rows at a time; returns X."""
-    L, n, d = X.shape
-    step = max(1, min(n, _CHUNK_ELEMENTS // max(d, 1)))
-    rows = X.new_empty(step, d)
-    for layer in range(L):
-        for i in range(0, n, step):
-            chunk = X[layer, i : i + step]
-            out = rows[: chunk.shape[0]]
-            torch.mm(chunk, mats[layer].mT, out=out)
+            if transposed:
+                chunk = X[layer, j : j + step]
+                out = torch.mm(chunk, P.mT, out=buffer[: chunk.shape[0]])
+            else:
+                chunk = X[layer, :, j : j + step]
+                out = torch.mm(P, chunk, out=buffer[:, : chunk.shape[1]])
             chunk.copy_(out)
     return X
 
