@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import pprint
 import statistics
 from datetime import datetime
 from pathlib import Path
@@ -115,11 +114,33 @@ def record(chosen: dict, meta: dict, path: Path = TUNED_MODULE) -> None:
         '"""Tuned hyperparameters of the harness, written by ``singd-harness tune --record``.\n\n'
         "The default run uses these values in every precision; re-tune with ``--tune``.\n"
         '"""\n\n'
-        f"COMMAND = {meta['command']!r}  # noqa: E501\n"
-        f"CREATED = {meta['created']!r}\n"
-        f"STEPS: dict[str, int] = {pprint.pformat(meta['steps'])}\n"
-        f"TUNED: dict[str, dict[str, dict[str, float]]] = {pprint.pformat(merged, width=90)}\n"
+        f"COMMAND = {json.dumps(meta['command'])}  # noqa: E501\n"
+        f"CREATED = {json.dumps(meta['created'])}\n"
+        f"{_assignment('STEPS: dict[str, int]', meta['steps'])}\n"
+        f"{_assignment('TUNED: dict[str, dict[str, dict[str, float]]]', merged)}\n"
     )
+
+
+def _assignment(target: str, value: dict, width: int = 100) -> str:
+    """``target = value`` as ruff formats it (so the recorded module stays ``ruff format``
+    clean): a dict on one line when it fits, else one item per line with trailing commas;
+    keys sorted, strings in double quotes."""
+    return f"{target} = {_literal(value, 0, width - len(target) - 3, width)}"
+
+
+def _literal(value, indent: int, room: int, width: int) -> str:
+    if not isinstance(value, dict):
+        return json.dumps(value) if isinstance(value, str) else repr(value)
+    items = sorted(value.items())
+    inline = ", ".join(f"{json.dumps(k)}: {_literal(v, 0, width, width)}" for k, v in items)
+    if len(inline) + 2 <= room:
+        return "{" + inline + "}"
+    pad = " " * (indent + 4)
+    lines = []
+    for key, item in items:
+        head = f"{pad}{json.dumps(key)}: "
+        lines.append(f"{head}{_literal(item, indent + 4, width - len(head) - 1, width)},")
+    return "{\n" + "\n".join(lines) + "\n" + " " * indent + "}"
 
 
 def now() -> str:

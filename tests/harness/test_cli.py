@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 
@@ -141,6 +142,17 @@ def test_tune_writes_chosen_values_and_the_sweep(tmp_path, capsys):
     spec.loader.exec_module(recorded)
     assert payload["command"] == recorded.COMMAND
     assert recorded.TUNED["mnist1d_mlp"]["adamw"] == chosen["adamw"]
+
+
+def test_record_writes_the_module_as_ruff_formats_it(tmp_path):
+    """Re-recording the recorded values reproduces the committed (ruff-formatted) module
+    byte for byte, long dicts split one item per line."""
+    from singd_cuda.harness import tuned
+
+    module = tmp_path / "tuned_copy.py"
+    meta = {"command": tuned.COMMAND, "created": tuned.CREATED, "steps": tuned.STEPS}
+    tuning.record({}, meta, module)
+    assert module.read_text() == Path(tuned.__file__).read_text()
 
 
 def test_memory_command(tmp_path, capsys):
