@@ -32,17 +32,13 @@ def _scalars(inv, device):
     )
 
 
-@pytest.mark.parametrize("config", CONFIGS)
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_sgd_epilogue(device, gen, dtype, layout, config):
-    momentum, wd, decoupled, inv, fp32_state, sr = CONFIGS[config]
-    params, updates, bufs = _lists(dtype, layout, device, gen, fp32_state)
+def _assert_sgd_matches_reference(params, updates, bufs, hyper, scalars, sr, seed):
+    """sgd_epilogue_ on (params, updates, bufs) writes what the reference writes on
+    copies, bit for bit; ``scalars`` is (inv_scale, found_inf)."""
     ref_params, ref_bufs = clones(params), clones(bufs)
-    inv_scale, found_inf = _scalars(inv, device)
-    hyper = dict(lr=0.1, momentum=momentum, weight_decay=wd, decoupled=decoupled)
+    inv_scale, found_inf = scalars
     torch.ops.singd_cuda.sgd_epilogue_(
-        params, updates, bufs, *hyper.values(), inv_scale, found_inf, sr, 1234
+        params, updates, bufs, *hyper.values(), inv_scale, found_inf, sr, seed
     )
     reference.sgd_epilogue_(
         ref_params,
@@ -52,10 +48,20 @@ def test_sgd_epilogue(device, gen, dtype, layout, config):
         inv_scale=inv_scale,
         found_inf=found_inf,
         stochastic_rounding=sr,
-        seed=1234,
+        seed=seed,
     )
     assert_bitwise(params, ref_params)
     assert_bitwise(bufs, ref_bufs)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sgd_epilogue(device, gen, dtype, layout, config):
+    momentum, wd, decoupled, inv, fp32_state, sr = CONFIGS[config]
+    params, updates, bufs = _lists(dtype, layout, device, gen, fp32_state)
+    hyper = dict(lr=0.1, momentum=momentum, weight_decay=wd, decoupled=decoupled)
+    _assert_sgd_matches_reference(params, updates, bufs, hyper, _scalars(inv, device), sr, 1234)
 
 
 @pytest.mark.parametrize("config", CONFIGS)
@@ -92,24 +98,8 @@ def test_a_conv_shaped_view_of_a_matrix_is_read_where_it_lies(device, gen, sr):
     update = M[:, :-1].reshape(4, 2, 3, 3)
     params = [make((4, 2, 3, 3), torch.bfloat16, device, gen)]
     bufs = [make((4, 2, 3, 3), torch.float32, device, gen)]
-    ref_params, ref_bufs = clones(params), clones(bufs)
     hyper = dict(lr=0.1, momentum=0.9, weight_decay=0.01, decoupled=False)
-    inv_scale, found_inf = _scalars(0.5, device)
-    torch.ops.singd_cuda.sgd_epilogue_(
-        params, [update], bufs, *hyper.values(), inv_scale, found_inf, sr, 7
-    )
-    reference.sgd_epilogue_(
-        ref_params,
-        [update.contiguous()],
-        ref_bufs,
-        **hyper,
-        inv_scale=inv_scale,
-        found_inf=found_inf,
-        stochastic_rounding=sr,
-        seed=7,
-    )
-    assert_bitwise(params, ref_params)
-    assert_bitwise(bufs, ref_bufs)
+    _assert_sgd_matches_reference(params, [update], bufs, hyper, _scalars(0.5, device), sr, 7)
 
 
 def test_sgd_without_momentum_leaves_buffers_and_accepts_none(device, gen):
