@@ -1,11 +1,12 @@
 """Layers of equal shapes, structures and dtypes handled as one stack.
 
 A transformer repeats identical blocks, so its layers fall into a few groups of equal
-(d_C, d_K, structures, dtypes, device). Per group the optimizers stack the gradients into
-one (L, d_C, d_K) tensor and the cached K Kᵀ and C Cᵀ into stacked forms, and
-precondition with a few batched products: the number of op calls per step does not grow
-with the number of layers, only their size does. The state stays per parameter (the
-checkpoint layout does not change); stacking copies are made on the fly.
+(d_C, d_K, structures, dtypes, device). Per group the optimizers stack the cached K Kᵀ
+and C Cᵀ into stacked forms and precondition into one (L, d_C, d_K) tensor, the step's
+one gradient-sized allocation: dense and arrow products run batched and in place on a
+stacked copy of the gradients, block-diagonal ones read the gradients where they lie (a
+few strided batched products per layer). The state stays per parameter (the checkpoint
+layout does not change); stacking copies are made on the fly.
 """
 
 from __future__ import annotations
@@ -30,11 +31,14 @@ def partition(items: Sequence, key: Callable[[object], Hashable]) -> list[list]:
     return list(parts.values())
 
 
-def stacked_gradients(layers: Sequence[Layer], dtype: torch.dtype, start: int = 0) -> Tensor:
+def stacked_gradients(
+    layers: Sequence[Layer], dtype: torch.dtype, start: int = 0, inv_scale: Tensor | None = None
+) -> Tensor:
     """Columns ``start``.. of G (:func:`~singd_cuda.curvature.layers.gradient_matrix`) of
     every layer, stacked: (L, d_C, d_K - start) in ``dtype``, the bias gradient as the last
-    column; zeros for a parameter without a gradient. ``start`` must not pass the weight's
-    columns. One foreach copy for all layers."""
+    column; zeros for a parameter without a gradient; times ``inv_scale`` (a scalar
+    tensor) when given. ``start`` must not pass the weight's columns. One foreach copy for
+    all layers."""
     first = layers[0]
     out = torch.empty(
         len(layers), first.dim_out, first.dim_in - start, dtype=dtype, device=first.weight.device
@@ -54,6 +58,8 @@ def stacked_gradients(layers: Sequence[Layer], dtype: torch.dtype, start: int = 
             sources.append(layer.kind.weight_matrix(grad)[:, start:] if is_weight else grad)
     if targets:
         torch._foreach_copy_(targets, sources)
+    if inv_scale is not None:
+        out.mul_(inv_scale.to(dtype))
     return out
 
 
@@ -116,9 +122,7 @@ class StackedProduct:
             return _block_diagonal_gradients_times_transpose(
                 layers, parts["blocks"], parts["last"], dtype
             )
-        G = stacked_gradients(layers, dtype)
-        if inv_scale is not None:
-            G.mul_(inv_scale.to(dtype))
+        G = stacked_gradients(layers, dtype, inv_scale=inv_scale)
         if self.kind is Dense:
             return _dense_matmul_(parts["mat"], G, transposed=True)
         return _arrow_matmul_transposed_(self.k1, parts["border"], parts["middle"], G)

@@ -340,9 +340,7 @@ class SingdRule(LayerRule):
         dtype = accumulation_dtype(layers[0].weight.dtype)
         CCt, KKt = self._stacked_outer(layers, group, states, step)
         if CCt is None:
-            G = stacked_gradients(layers, dtype)
-            if inv_scale is not None:
-                G.mul_(inv_scale.to(G.dtype))
+            G = stacked_gradients(layers, dtype, inv_scale=inv_scale)
             return [
                 self._natural(layer, group, s[0], G_l, step)
                 for layer, s, G_l in zip(layers, states, G.unbind(0), strict=True)
