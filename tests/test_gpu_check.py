@@ -59,10 +59,20 @@ def _simulate(gpu_check, tmp_path, failing: dict[str, str], caps: dict | None = 
     return code, report, data
 
 
-@pytest.mark.parametrize("phase", ["env", "build", "tests", "bench", "nccl"])
+KINDS = {
+    "env": "crash",
+    "build": "exit",
+    "tests": "hang",
+    "bench": "crash",
+    "iteration": "exit",
+    "graphs": "crash",
+    "nccl": "hang",
+}
+
+
+@pytest.mark.parametrize("phase", list(KINDS))
 def test_a_failing_phase_still_yields_the_report(gpu_check, tmp_path, phase):
-    kind = {"env": "crash", "build": "exit", "tests": "hang", "bench": "crash", "nccl": "hang"}
-    kind = kind[phase]
+    kind = KINDS[phase]
     code, report, data = _simulate(gpu_check, tmp_path, {phase: kind})
     assert code == 1
     status, summary = FAILURES[kind][1:]
@@ -83,7 +93,8 @@ def test_all_phases_passing(gpu_check, tmp_path):
     code, report, data = _simulate(gpu_check, tmp_path, {})
     assert code == 0
     assert "every phase passed" in report
-    assert [data["phases"][n]["status"] for n in gpu_check.PHASES] == ["passed"] * 5
+    assert set(KINDS) == set(gpu_check.PHASES)
+    assert [data["phases"][n]["status"] for n in gpu_check.PHASES] == ["passed"] * len(KINDS)
 
 
 def test_the_budget_bounds_the_check(gpu_check, tmp_path):
@@ -124,7 +135,35 @@ def test_dry_run_runs_every_phase(gpu_check, tmp_path):
     assert gpu_check.main([str(tmp_path), "--dry-run"]) == 0
     report = (tmp_path / "gpu_report.md").read_text()
     assert "DRY RUN" in report
-    for needle in ("diag_precond_step_ adafisher", "AdaFisher step / torch AdamW", "NHWC", "gloo"):
+    needles = ("diag_precond_step_ adafisher", "AdaFisher step / torch AdamW", "NHWC", "gloo")
+    for needle in (*needles, "GPT-2 iteration, AdaFisher (T=1) / torch AdamW"):
         assert needle in report
     data = json.loads((tmp_path / "gpu_report.json").read_text())
     assert all(p["status"] == "passed" for p in data["phases"].values()), report
+
+
+@pytest.mark.skipif(not ops.fused_available("cpu"), reason="fused ops not built")
+def test_the_iteration_table_has_a_row_per_optimizer(tmp_path):
+    """The GPT-2 iteration phase on a 2-layer GPT-2 on the CPU: every optimizer's row, its
+    ratio to AdamW measured in the same run, and the rows a deadline leaves out."""
+    pytest.importorskip("transformers")
+    spec = importlib.util.spec_from_file_location(
+        "gpu_iteration", SCRIPT.parent / "gpu_iteration.py"
+    )
+    iteration = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = iteration  # dataclasses resolve annotations through it
+    try:
+        spec.loader.exec_module(iteration)
+    finally:
+        del sys.modules[spec.name]
+    iteration.WARMUP, iteration.TIMED = 1, 2  # the table's shape, not its timings
+    labels = [label for label, _ in iteration.optimizers()]
+    lines, targets, data = iteration.iteration_report(dry_run=True)
+    assert list(data) == labels
+    assert data["torch AdamW"]["vs_adamw"] == 1.0
+    assert all(row["iteration_ms"] > 0 and row["step_cpu_ms"] > 0 for row in data.values())
+    assert len(targets) == 3  # SINGD diagonal at T=10 and T=1, AdaFisher
+    table = "\n".join(lines)
+    assert all(f"| {label} |" in table for label in labels)
+    lines, _, data = iteration.iteration_report(dry_run=True, deadline=0.0)
+    assert not data and sum("not run: out of time" in line for line in lines) == len(labels)
