@@ -1,0 +1,233 @@
+"""Host cost of the optimizers: overhead per layer against torch AdamW, and device reads.
+
+Two models, single-threaded (``torch.set_num_threads(1)``), every optimizer interleaved
+round-robin with the plain model (forward + backward, no optimizer, no hooks) in one run:
+
+- ``tiny``: 64 x (Linear(16, 16) + Tanh), batch 8. The arithmetic is negligible, so the
+  overhead is host work: Python and op dispatch per layer, which is what a GPU step pays
+  when its kernels take microseconds.
+- ``mlp``: 3 x Linear(512, 512) with ReLU, batch 128.
+
+Overhead = (forward + backward + step) - the plain model's forward + backward, amortized
+over a period of T steps (``vs_peers.amortized_ms``), per preconditioned layer, and its
+ratio to AdamW (foreach)'s overhead. ``reads`` counts the device->host reads the library
+makes in one period of T steady-state iterations: calls of ``Tensor.item``, ``__bool__``,
+``__float__``, ``__int__`` or ``tolist`` on a floating-point or boolean tensor with a
+``singd_cuda`` frame on the stack, by call site. On a GPU each one is a synchronisation.
+Not counted: torch's own reads (foreach AdamW's of its CPU step counters; fused AdamW on a
+GPU makes none) and the capture's int64 counters and tokens, which live on the host by
+design whatever the model's device.
+
+    python benchmarks/host_cost.py --out benchmarks/results/host_cost.md
+    python benchmarks/host_cost.py --models tiny --steps 20  # quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import platform
+import shlex
+import sys
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vs_peers import amortized_ms, median_ms
+
+import singd_cuda
+from singd_cuda import KFAC, SINGD, AdaFisher
+
+READS = ("item", "__bool__", "__float__", "__int__", "tolist")
+PACKAGE = str(Path(singd_cuda.__file__).resolve().parent)
+MODELS = {
+    # name: (layers, width, batch, activation)
+    "tiny": (64, 16, 8, nn.Tanh),
+    "mlp": (3, 512, 128, nn.ReLU),
+}
+
+
+def optimizers() -> dict[str, tuple[int, Callable[[nn.Module], torch.optim.Optimizer]]]:
+    """name -> (T, model -> optimizer); AdamW (foreach) is the baseline."""
+    return {
+        "AdamW (foreach)": (1, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=True)),
+        "AdaFisher (T=1)": (1, lambda m: AdaFisher(m, lr=1e-4)),
+        "SINGD diagonal T=1": (1, lambda m: SINGD(m, lr=1e-4, structures="diagonal", T=1)),
+        "SINGD diagonal T=10": (10, lambda m: SINGD(m, lr=1e-4, structures="diagonal", T=10)),
+        "SINGD block_diagonal:32 T=1": (1, lambda m: SINGD(m, lr=1e-4, T=1)),
+        "SINGD block_diagonal:32 T=10": (10, lambda m: SINGD(m, lr=1e-4, T=10)),
+        "K-FAC T=1 (between inversions)": (1, lambda m: KFAC(m, lr=1e-4, T=1, T_inv=10**9)),
+    }
+
+
+def build(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """(model, inputs, targets) of model ``name``, the same weights for every competitor."""
+    layers, width, batch, activation = MODELS[name]
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *[m for _ in range(layers) for m in (nn.Linear(width, width), activation())]
+    )
+    x = torch.randn(batch, width)
+    y = torch.randint(0, width, (batch,))
+    return model, x, y
+
+
+def _library_site() -> str | None:
+    """``path:line`` of the innermost singd_cuda frame of the caller's stack, or None."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(PACKAGE):
+            path = Path(frame.f_code.co_filename).relative_to(Path(PACKAGE).parent)
+            return f"{path}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
+
+
+@contextlib.contextmanager
+def counting_reads() -> Iterator[Counter]:
+    """Counts the library's calls of the Tensor methods that read a value to the host, by
+    call site (``path:line`` in singd_cuda)."""
+    counts: Counter = Counter()
+    originals = {name: getattr(torch.Tensor, name) for name in READS}
+
+    def counted(name, original):
+        def read(self, *args, **kwargs):
+            device_data = self.is_floating_point() or self.dtype == torch.bool
+            site = _library_site() if device_data else None
+            if site is not None:
+                counts[f"{site} ({name})"] += 1
+            return original(self, *args, **kwargs)
+
+        return read
+
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, counted(name, original))
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+class Competitor:
+    """One model and its optimizer (None: the plain model); timings of whole iterations."""
+
+    def __init__(self, model_name: str, T: int, make) -> None:
+        self.model, self.x, self.y = build(model_name)
+        self.opt = make(self.model) if make is not None else None
+        self.T = T
+        self.t = 0
+        self.times: list[float] = []
+        self.updates: list[bool] = []
+
+    def iteration(self, timed: bool) -> None:
+        start = time.perf_counter()
+        for p in self.model.parameters():
+            p.grad = None
+        F.cross_entropy(self.model(self.x), self.y).backward()
+        if self.opt is not None:
+            self.opt.step()
+        if timed:
+            self.times.append(time.perf_counter() - start)
+            self.updates.append(self.t % self.T == 0)
+        self.t += 1
+
+    def ms(self) -> float:
+        return amortized_ms(self.times, self.updates, self.T)
+
+    def reads(self) -> Counter:
+        """The library's device->host reads over one period of T steady-state iterations,
+        by call site."""
+        with counting_reads() as counts:
+            for _ in range(self.T):
+                self.iteration(timed=False)
+        return counts
+
+
+def measure(model_name: str, steps: int) -> list[dict]:
+    layers = MODELS[model_name][0]
+    plain = Competitor(model_name, 1, None)
+    competitors = {
+        name: Competitor(model_name, T, make) for name, (T, make) in optimizers().items()
+    }
+    everyone = [plain, *competitors.values()]
+    for _ in range(3):  # warm-up: first statistics, warm start, the one inversion
+        for c in everyone:
+            c.iteration(timed=False)
+    for _ in range(steps):  # round-robin: load changes hit every competitor alike
+        for c in everyone:
+            c.iteration(timed=True)
+    base = median_ms(plain.times)
+    rows = []
+    for name, c in competitors.items():
+        overhead = c.ms() - base
+        rows.append({"optimizer": name, "iteration_ms": c.ms(), "overhead_ms": overhead})
+    adamw = rows[0]["overhead_ms"]
+    for row, c in zip(rows, competitors.values(), strict=True):
+        row["per_layer_us"] = 1e3 * row["overhead_ms"] / layers
+        row["vs_adamw"] = row["overhead_ms"] / adamw
+        sites = c.reads()
+        row["reads"] = sum(sites.values())
+        row["read_sites"] = dict(sites.most_common())
+    return [{"plain_ms": base, **row} for row in rows]
+
+
+def table(model_name: str, rows: list[dict], steps: int) -> list[str]:
+    layers, width, batch, _ = MODELS[model_name]
+    lines = [
+        f"### {model_name}: {layers} x Linear({width}, {width}), batch {batch}, {steps} timed "
+        f"steps (plain forward + backward {rows[0]['plain_ms']:.2f} ms)",
+        "",
+        "| optimizer | iteration ms | overhead ms | per layer µs | / AdamW | reads per T steps |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['optimizer']} | {r['iteration_ms']:.2f} | {r['overhead_ms']:.2f} | "
+            f"{r['per_layer_us']:.0f} | {r['vs_adamw']:.2f}x | {r['reads']} |"
+        )
+    sites: Counter = Counter()
+    for r in rows:
+        sites.update(r["read_sites"])
+    if sites:
+        lines += ["", "Where the reads are (all rows together):", ""]
+        lines += [f"- `{site}`: {count}" for site, count in sites.most_common()]
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="tiny,mlp", help="comma-separated: tiny, mlp")
+    parser.add_argument("--steps", type=int, default=60, help="timed steps per competitor")
+    parser.add_argument("--out", type=Path, help="write the markdown record here")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")  # LargeFactorWarning and friends are not the subject
+    lines = [
+        "# Host cost per layer",
+        "",
+        f"`python {' '.join(shlex.quote(a) for a in ['benchmarks/host_cost.py', *sys.argv[1:]])}`"
+        f" — {datetime.date.today()}, torch {torch.__version__}, {platform.processor() or 'cpu'},"
+        " 1 thread",
+        "",
+    ]
+    for name in args.models.split(","):
+        lines += [*table(name, measure(name, args.steps), args.steps), ""]
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
