@@ -86,7 +86,11 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
 
 def _reference_cell(cells: list[dict], label: str) -> dict | None:
     for cell in cells:
-        if cell["label"] == label and cell["precision"] == "fp32" and cell["factor"] in ("-", "fp32"):
+        if (
+            cell["label"] == label
+            and cell["precision"] == "fp32"
+            and cell["factor"] in ("-", "fp32")
+        ):
             return cell
     return None
 
