@@ -8,6 +8,8 @@ reason), needing optional packages, or slow.
 from __future__ import annotations
 
 import importlib.util
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -71,3 +73,20 @@ def test_not_run_markers_have_reasons():
 def test_markers_sit_on_blocks():
     problems = [problem for page in pages() for problem in dangling_markers(page)]
     assert not problems, problems
+
+
+@pytest.mark.skipif(shutil.which("ruff") is None, reason="needs ruff (the dev extra)")
+def test_examples_are_ruff_formatted():
+    """The examples read like the code base: ``ruff format`` leaves every block as it is."""
+    unformatted = []
+    for block in ALL:
+        formatted = subprocess.run(
+            ["ruff", "format", "--line-length", "100", "--stdin-filename", "example.py", "-"],
+            input=block.code,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        if formatted != block.code:
+            unformatted.append(block.id)
+    assert not unformatted, f"run ruff format on these blocks: {unformatted}"
