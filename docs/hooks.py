@@ -176,7 +176,13 @@ def run_section(folder: Path, root: Path = RESULTS) -> str:
     for task in record["config"]["tasks"]:
         rows = [cell_row(c) for c in record["cells"] if c["task"] == task]
         steps = record["config"]["steps"][task]
+        rates = ", ".join(
+            f"{key.split('/', 1)[1]} {hparams.get('lr', '—')}"
+            for key, (hparams, _) in record["settings"].items()
+            if key.startswith(f"{task}/")
+        )
         parts += ["", f"**{task}**, {steps} steps, seeds {record['config']['seeds']}:", ""]
+        parts += [f"Learning rates: {rates}.", ""] if rates else []
         parts.append(_table(CELL_HEADERS, rows))
     return "\n".join(parts) + "\n"
 
