@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 SUPPORTED_LAYERS = (nn.Linear, nn.Conv2d)  # the built-in classes; see is_supported
+"""The torch.nn classes preconditioned without registration (subclasses included); Hugging
+Face ``Conv1D`` and registered kinds are supported too: :func:`is_supported` says."""
 LOSS_AVERAGES = ("batch", "batch+sequence", None)
 
 
@@ -233,6 +235,8 @@ class Layer:
 
     @property
     def kind(self) -> LayerKind:
+        """The :class:`LayerKind` of the module (how its weight, inputs and output
+        gradients map to W, a and g)."""
         return layer_kind(self.module)
 
     @property
@@ -247,6 +251,7 @@ class Layer:
 
     @property
     def params(self) -> list[nn.Parameter]:
+        """``[weight]`` or ``[weight, bias]``: the parameters the layer's factors precondition."""
         return [self.weight] if self.bias is None else [self.weight, self.bias]
 
     def __repr__(self) -> str:  # names and shapes, never tensor contents

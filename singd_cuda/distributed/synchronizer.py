@@ -40,6 +40,7 @@ from .packing import (
 )
 
 DEFAULT_BUCKET_CAP_MB = 64.0
+"""Default ``bucket_cap_mb``: the MiB of one all-reduce bucket of the packed buffer."""
 
 
 class Synchronizer:
@@ -79,6 +80,7 @@ class Synchronizer:
         return self.owner[layer] == self.rank
 
     def remove(self) -> None:
+        """Remove the hook the synchroniser put on the model."""
         self._hook.remove()
 
     # ------------------------------------------------------------ collective 1
@@ -196,6 +198,8 @@ class Synchronizer:
 
     # ------------------------------------------------------------ checkpoints
     def owned_param_ids(self) -> set[int]:
+        """``id()`` of the parameters of the layers this rank owns (all of them unless
+        ``distribute_factors``)."""
         return {id(p) for layer in self._layers if self.owns(layer) for p in layer.params}
 
     def foreign_params(self) -> list[Tensor]:

@@ -99,8 +99,15 @@ def sgd_epilogue_(
         params: parameters of any shapes, updated in place.
         updates: the update directions (e.g. preconditioned gradients), shapes of params.
         momentum_bufs: momentum buffers, shapes of params, updated in place.
-        lr, momentum, weight_decay, decoupled: hyperparameters (Python floats / bool).
-        inv_scale, found_inf, stochastic_rounding, seed: see the module docstring.
+        lr: the learning rate (a Python float).
+        momentum: the heavy-ball momentum (a Python float; 0 for none).
+        weight_decay: the weight decay (a Python float; default 0).
+        decoupled: True for decoupled (AdamW-style) weight decay, False (default) to add it
+            to the update.
+        inv_scale: see the module docstring.
+        found_inf: see the module docstring.
+        stochastic_rounding: see the module docstring.
+        seed: see the module docstring.
     """
     if _use_fused(params):
         torch.ops.singd_cuda.sgd_epilogue_(
@@ -158,9 +165,15 @@ def adam_epilogue_(
         params: parameters of any shapes, updated in place.
         updates: the update directions, shapes of params.
         exp_avgs: first-moment buffers m, shapes of params, updated in place.
-        lr, beta, weight_decay, decoupled: hyperparameters; ``0 <= beta < 1``.
+        lr: the learning rate (a Python float).
+        beta: the first-moment decay, ``0 <= beta < 1``.
         step: the 1-based step count of the bias correction (a Python int, >= 1).
-        inv_scale, found_inf, stochastic_rounding, seed: see the module docstring.
+        weight_decay: the weight decay (a Python float; default 0).
+        decoupled: True for decoupled weight decay, False (default) to add it to the update.
+        inv_scale: see the module docstring.
+        found_inf: see the module docstring.
+        stochastic_rounding: see the module docstring.
+        seed: see the module docstring.
     """
     if _use_fused(params):
         torch.ops.singd_cuda.adam_epilogue_(
@@ -237,7 +250,8 @@ def diag_precond_step_(
         bufs: momentum buffers (singd; may be empty when momentum == 0) or the Adam first
             moments (adafisher), shapes of params, updated in place.
         step: 1-based step count of AdaFisher's bias correction.
-        Others: as in :func:`sgd_epilogue_` and the module docstring.
+
+    The other arguments are as in :func:`sgd_epilogue_` and the module docstring.
     """
     if _use_fused(params):
         torch.ops.singd_cuda.diag_precond_step_(
@@ -306,7 +320,9 @@ def diag_factor_update_(
         a: one-element tensors tr̄(H) of the other side, one per factor, read on the device;
             empty means 1 (IKFAC).
         b: one-element tensors tr̄(Π̂(otherᵀ other)), one per factor; empty means 1.
-        alpha1, beta1, damping: α₁ (0 for IKFAC), β₁ (lr_cov) and λ.
+        alpha1: α₁, the Riemannian momentum (0 for IKFAC).
+        beta1: β₁, the factor step size (``lr_cov``).
+        damping: λ.
     """
     if _use_fused(k):
         torch.ops.singd_cuda.diag_factor_update_(k, m, h, a, b, alpha1, beta1, damping)

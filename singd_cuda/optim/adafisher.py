@@ -248,6 +248,42 @@ class AdaFisher(KroneckerOptimizer):
 
     ``momentum`` is the Adam-style β. Equivalent to ``SINGD(model, structures="adafisher")``
     with these defaults. Parameters of other modules train with AdamW (``fallback_*``).
+
+    Args:
+        model: the ``nn.Module`` to train (or a DistributedDataParallel wrapping it); its
+            supported layers (``nn.Linear``, ``nn.Conv2d``, Hugging Face ``Conv1D``,
+            registered kinds) are hooked to capture curvature.
+        params: None (default: every parameter of ``model``, frozen ones included) or
+            parameters / parameter groups drawn from ``model.parameters()``. A layer's
+            weight and bias must be in the same group.
+        lr: step size (default 1e-2).
+        momentum: the Adam-style β of the first moment (default 0.9).
+        damping: λ added to the min–max normalised F̃, > 0 (default 1e-2).
+        ema_decay: γ of the curvature EMA, h ← γh + (1−γ)h_new (default 0.8).
+        T: factor update period (default 1).
+        weight_decay: weight decay (default 0.0).
+        decoupled_weight_decay: decay the weights directly (AdamW-style) instead of adding
+            the decay to the gradient (default False).
+        loss_average: ``"batch"`` (default; the loss is a mean over the batch),
+            ``"batch+sequence"`` (a mean over batch x sequence) or None (a sum); sets L in
+            the √L scaling of the output gradients.
+        factor_dtype: storage dtype of the factors (None, default: the parameter dtype);
+            float64, float32, bfloat16 or float16. Arithmetic accumulates in float32.
+        stochastic_rounding: round bf16 parameter writes stochastically (default False).
+        grad_scaler: the ``torch.amp.GradScaler`` in use, needed only when
+            ``scaler.unscale_(opt)`` runs before ``scaler.step(opt)`` (default None).
+        nonfinite: ``"warn"`` (default) or ``"raise"`` (``FloatingPointError``) when a
+            gradient or statistic is non-finite without a GradScaler; the step is skipped
+            with every state unchanged either way.
+        process_group: the torch.distributed group to synchronise over (default None: WORLD
+            when torch.distributed is initialised).
+        distribute_factors: each rank updates and holds the factors of the layers it owns
+            only (default False).
+        bucket_cap_mb: MiB per all-reduce bucket (default 64).
+        **fallback: the AdamW fallback of parameters outside supported layers:
+            ``fallback_lr`` (None, default: ``lr``), ``fallback_betas`` ((0.9, 0.999)),
+            ``fallback_eps`` (1e-8), ``fallback_weight_decay`` (0.0). Any other keyword
+            raises TypeError.
     """
 
     def __init__(

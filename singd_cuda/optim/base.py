@@ -56,8 +56,7 @@ Schedule = float | Callable[[int], float]
 
 
 STEP_NOT_COMPILED = (
-    "singd_cuda optimizers step eagerly: compile the model, not optimizer.step "
-    "(README, 'torch.compile')"
+    "singd_cuda optimizers step eagerly: compile the model, not optimizer.step (docs/compile.md)"
 )
 
 
@@ -376,6 +375,7 @@ class KroneckerOptimizer(Optimizer):
         return summary.summary(self)
 
     def group_of(self, layer: Layer) -> dict:
+        """The parameter group (an entry of ``param_groups``) that holds ``layer``."""
         return self.param_groups[self._layer_group[layer]]
 
     # ---------------------------------------------------------- statistics

@@ -106,6 +106,51 @@ class KFAC(KroneckerOptimizer):
     preconditioned weight to norm √(2·d_out) after its update; ``momentum_lr_ratio=r``
     sets the momentum to r·lr at every step. Under torch.distributed (``process_group``,
     ``distribute_factors``, ``bucket_cap_mb``) see :mod:`singd_cuda.distributed`.
+
+    Args:
+        model: the ``nn.Module`` to train (or a DistributedDataParallel wrapping it); its
+            supported layers (``nn.Linear``, ``nn.Conv2d``, Hugging Face ``Conv1D``,
+            registered kinds) are hooked to capture curvature.
+        params: None (default: every parameter of ``model``, frozen ones included) or
+            parameters / parameter groups drawn from ``model.parameters()``. A layer's
+            weight and bias must be in the same group.
+        lr: step size (default 1e-3).
+        momentum: heavy-ball momentum (default 0.9).
+        damping: λ; the inverses are of A + √λI and G + √λI (default 1e-3).
+        weight_decay: added to the preconditioned gradient (default 0.0).
+        T: factor update period, a number or a callable of the step (default 10).
+        T_inv: None (default: invert at every factor update) or the least number of steps
+            between inversions.
+        stat_decay: ρ of the factor EMA, A ← ρA + (1−ρ)A_new (default 0.95).
+        inverse: ``"inverse"`` (default, ``torch.linalg.inv``) or ``"eigen"``.
+        fisher: ``"empirical"`` (default) or ``"ggn"`` (call :meth:`capture_ggn` on update
+            steps).
+        loss_average: ``"batch"`` (default; the loss is a mean over the batch),
+            ``"batch+sequence"`` (a mean over batch x sequence) or None (a sum); sets L in
+            the √L scaling of the output gradients.
+        factor_dtype: storage dtype of the factors (None, default: the parameter dtype);
+            float64, float32, bfloat16 or float16. Arithmetic accumulates in float32.
+        stochastic_rounding: round bf16 parameter writes stochastically (default False).
+        norm_fisher: train BatchNorm/LayerNorm/GroupNorm affine parameters with a
+            diagonal empirical Fisher instead of the AdamW fallback (default False).
+        norm_damping: the damping of ``norm_fisher`` (default 1e-3).
+        weight_rescale: rescale each preconditioned weight to norm √(2·d_out) after its
+            update (default False).
+        momentum_lr_ratio: None (default) or r: the momentum is set to r·lr at every step.
+        grad_scaler: the ``torch.amp.GradScaler`` in use, needed only when
+            ``scaler.unscale_(opt)`` runs before ``scaler.step(opt)`` (default None).
+        nonfinite: ``"warn"`` (default) or ``"raise"`` (``FloatingPointError``) when a
+            gradient or statistic is non-finite without a GradScaler; the step is skipped
+            with every state unchanged either way.
+        process_group: the torch.distributed group to synchronise over (default None: WORLD
+            when torch.distributed is initialised).
+        distribute_factors: each rank updates and holds the factors of the layers it owns
+            only (default False).
+        bucket_cap_mb: MiB per all-reduce bucket (default 64).
+        **fallback: the AdamW fallback of parameters outside supported layers:
+            ``fallback_lr`` (None, default: ``lr``), ``fallback_betas`` ((0.9, 0.999)),
+            ``fallback_eps`` (1e-8), ``fallback_weight_decay`` (0.0). Any other keyword
+            raises TypeError.
     """
 
     def __init__(

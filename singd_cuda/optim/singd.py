@@ -463,7 +463,7 @@ class SINGD(KroneckerOptimizer):
 
     ``SINGD(model, lr=1e-3, momentum=0.9, damping=1e-2, alpha1=0.5, weight_decay=0.0,
     T=10, lr_cov=1e-2, structures="block_diagonal:32", kfac_like=False, warm_start=True,
-    ...)``: see the README.
+    ...)``: see docs/optimizers/singd.md.
     ``structures`` is a name ("dense", "diagonal", "block_diagonal:32", "low_rank:8",
     "tril_toeplitz", "triu_toeplitz", "hierarchical:15,15"), a (K side, C side) pair,
     structure classes, or "adafisher" (AdaFisher's diagonal rule, DESIGN.md section 4).
@@ -479,6 +479,59 @@ class SINGD(KroneckerOptimizer):
     preconditioned weight to norm √(2·d_out) after its update; ``momentum_lr_ratio=r``
     sets the momentum to r·lr at every step. Under torch.distributed (``process_group``,
     ``distribute_factors``, ``bucket_cap_mb``) see :mod:`singd_cuda.distributed`.
+
+    Args:
+        model: the ``nn.Module`` to train (or a DistributedDataParallel wrapping it); its
+            supported layers (``nn.Linear``, ``nn.Conv2d``, Hugging Face ``Conv1D``,
+            registered kinds) are hooked to capture curvature.
+        params: None (default: every parameter of ``model``, frozen ones included) or
+            parameters / parameter groups drawn from ``model.parameters()``. A layer's
+            weight and bias must be in the same group.
+        lr: step size β₂ (default 1e-3).
+        momentum: heavy-ball momentum α₂ of the preconditioned step (default 0.9); with
+            ``structures="adafisher"`` the Adam-style β.
+        damping: λ, a number or a callable of the step (default 1e-2).
+        alpha1: Riemannian momentum α₁ of the factor updates (default 0.5).
+        weight_decay: γ, added to the preconditioned gradient (default 0.0).
+        T: factor update period, a number or a callable of the step (default 10);
+            statistics are captured only on steps with ``step % T == 0``.
+        lr_cov: factor step size β₁, a number or a callable of the step (default 1e-2).
+        structures: one structure name or class for both factors, a (K side, C side) pair,
+            or ``"adafisher"`` (default ``"block_diagonal:32"``).
+        kfac_like: IKFAC (default False).
+        normalize_lr_cov: use β₁ / max(1, max|m|) and scale m̂ by (1 − α₁), as the
+            published code does (default False).
+        warm_start: start each layer's factors at the scale of its first statistics
+            (default True); False starts at K = C = I, the published algorithm.
+        loss_average: ``"batch"`` (default; the loss is a mean over the batch),
+            ``"batch+sequence"`` (a mean over batch x sequence) or None (a sum); sets L in
+            the √L scaling of the output gradients.
+        factor_dtype: storage dtype of the factors (None, default: the parameter dtype);
+            float64, float32, bfloat16 or float16. Arithmetic accumulates in float32.
+        stochastic_rounding: round bf16 parameter writes stochastically (default False).
+        ema_decay: AdaFisher's curvature EMA γ (``structures="adafisher"`` only; default 0.8).
+        decoupled_weight_decay: AdaFisher's decoupled weight decay (``structures="adafisher"``
+            only; default False).
+        norm_fisher: train BatchNorm/LayerNorm/GroupNorm affine parameters with a
+            diagonal empirical Fisher instead of the AdamW fallback (default False).
+        norm_damping: the damping of ``norm_fisher`` (default 1e-3).
+        weight_rescale: rescale each preconditioned weight to norm √(2·d_out) after its
+            update (default False).
+        momentum_lr_ratio: None (default) or r: the momentum is set to r·lr at every step.
+        grad_scaler: the ``torch.amp.GradScaler`` in use, needed only when
+            ``scaler.unscale_(opt)`` runs before ``scaler.step(opt)`` (default None).
+        nonfinite: ``"warn"`` (default) or ``"raise"`` (``FloatingPointError``) when a
+            gradient or statistic is non-finite without a GradScaler; the step is skipped
+            with every state unchanged either way.
+        process_group: the torch.distributed group to synchronise over (default None: WORLD
+            when torch.distributed is initialised).
+        distribute_factors: each rank updates and holds the factors of the layers it owns
+            only (default False).
+        bucket_cap_mb: MiB per all-reduce bucket (default 64).
+        **fallback: the AdamW fallback of parameters outside supported layers:
+            ``fallback_lr`` (None, default: ``lr``), ``fallback_betas`` ((0.9, 0.999)),
+            ``fallback_eps`` (1e-8), ``fallback_weight_decay`` (0.0). Any other keyword
+            raises TypeError.
     """
 
     def __init__(

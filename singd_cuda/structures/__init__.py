@@ -18,6 +18,8 @@ FAMILIES: dict[str, type[StructuredMatrix]] = {
     cls.name: cls
     for cls in (Dense, Diagonal, BlockDiagonal, LowRank, TrilToeplitz, TriuToeplitz, Hierarchical)
 }
+"""The structure families by name (``"dense"``, ``"block_diagonal"``, ...); :func:`get` binds
+their parameters (``"block_diagonal:32"``)."""
 
 
 def valid_names() -> str:

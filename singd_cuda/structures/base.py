@@ -209,10 +209,12 @@ class StructuredMatrix(ABC):
 
     @property
     def dtype(self) -> torch.dtype:
+        """The dtype of the stored parts (all parts share it)."""
         return next(iter(self.parts.values())).dtype
 
     @property
     def device(self) -> torch.device:
+        """The device of the stored parts."""
         return next(iter(self.parts.values())).device
 
     @property
@@ -222,6 +224,7 @@ class StructuredMatrix(ABC):
 
     @property
     def shape(self) -> torch.Size:
+        """``(dim, dim)``: the shape of the dense matrix it represents."""
         return torch.Size((self.dim, self.dim))
 
     def _check_same_structure(self, other: StructuredMatrix) -> None:
@@ -261,6 +264,7 @@ class StructuredMatrix(ABC):
         return self.trace() / self.dim
 
     def clone(self) -> StructuredMatrix:
+        """A copy with cloned parts (same structure, dim, dtype and device)."""
         return type(self)(self.dim, **{n: p.clone() for n, p in self.parts.items()})
 
     def to(self, dtype: torch.dtype | None = None, device=None) -> StructuredMatrix:

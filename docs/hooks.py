@@ -1,0 +1,215 @@
+"""MkDocs hooks: pages generated from the recorded results at build time.
+
+- ``records/<name>.md``: each benchmark record in ``benchmarks/results/`` (its command
+  included), as recorded, so the performance pages link to the numbers themselves.
+- ``evidence.md``: the marker ``<!-- harness-tables -->`` is replaced by tables rendered
+  from every recorded harness run's ``results.json`` (``benchmarks/results/harness*/``),
+  and ``<!-- harness-headline -->`` by :func:`headline_table`, which the README carries
+  too (``tests/docs`` checks that the README's copy equals the rendering).
+
+The rendering functions need only the standard library; MkDocs is imported inside the
+hooks that need it, so the tests can import this file without the docs extra.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+HARNESS = RESULTS / "harness"
+
+# Benchmark records published as pages: (record file, page name).
+RECORDS = {
+    "vs_peers.md": "vs_peers.md",
+    "structures.md": "structures.md",
+    "depth.md": "depth.md",
+    "compile.md": "compile.md",
+    "defaults.md": "defaults.md",
+    "defaults_models.md": "defaults_models.md",
+    "harness_memory/README.md": "harness_memory.md",
+    "harness/README.md": "harness_commands.md",
+}
+
+# The headline: fp32 model and fp32 factors on the three tasks, one row per optimizer.
+HEADLINE_TASKS = (
+    ("mnist1d_cnn", "MNIST-1D CNN"),
+    ("mnist1d_mlp", "MNIST-1D MLP"),
+    ("lm", "char LM"),
+)
+HEADLINE_OPTIMIZERS = (
+    ("adamw", "AdamW"),
+    ("kfac", "K-FAC"),
+    ("singd:block_diagonal:32", "SINGD (default)"),
+    ("singd:diagonal", "SINGD diagonal"),
+    ("adafisher", "AdaFisher"),
+    ("ikfac", "IKFAC"),
+)
+IKFAC_FOLDERS = {"mnist1d_cnn": "mnist1d_cnn_ikfac", "mnist1d_mlp": "mnist1d_mlp_ikfac"}
+
+
+def load(folder: Path) -> dict:
+    """The recorded ``results.json`` of one harness run folder."""
+    return json.loads((folder / "results.json").read_text())
+
+
+def run_folders(root: Path = RESULTS) -> list[Path]:
+    """Every recorded harness run (a folder with a results.json), in name order."""
+    return sorted(p.parent for p in root.glob("harness*/*/results.json"))
+
+
+def _mean_std(mean, std, scale: float = 1.0, digits: int = 3) -> str:
+    if mean is None or not math.isfinite(mean):
+        return "—"
+    spread = "" if std is None or not math.isfinite(std) else f" ± {std * scale:.{digits}f}"
+    return f"{mean * scale:.{digits}f}{spread}"
+
+
+def _steps(cell: dict) -> str:
+    steps = cell["steps_to_target"]
+    if steps is None:
+        return "not reached"
+    reached, seeds = cell["seeds_reaching_target"], cell["seeds"]
+    return f"{steps}" + (f" ({reached}/{seeds} seeds)" if reached < seeds else "")
+
+
+def _ratio(value) -> str:
+    return "—" if value is None or not math.isfinite(value) else f"{value:.2f}x"
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def _reference_cell(cells: list[dict], label: str) -> dict | None:
+    for cell in cells:
+        if (
+            cell["label"] == label
+            and cell["precision"] == "fp32"
+            and cell["factor"] in ("-", "fp32")
+        ):
+            return cell
+    return None
+
+
+def headline_table(root: Path = HARNESS) -> str:
+    """Held-out loss (test accuracy %) and steps to AdamW's final loss per task, fp32.
+
+    Mean ± sample std over the recorded seeds; a row per optimizer, a column pair per task.
+    """
+    headers = ["optimizer (fp32)"]
+    for _, title in HEADLINE_TASKS:
+        headers += [f"{title}: loss (acc %)", "steps to AdamW's loss"]
+    records = {task: load(root / task)["cells"] for task, _ in HEADLINE_TASKS}
+    for task, folder in IKFAC_FOLDERS.items():
+        records[task] = records[task] + load(root / folder)["cells"]
+    rows = []
+    for label, name in HEADLINE_OPTIMIZERS:
+        row = [name]
+        for task, _ in HEADLINE_TASKS:
+            cell = _reference_cell(records[task], label)
+            if cell is None:
+                row += ["not run", "—"]
+                continue
+            loss = _mean_std(cell["loss_mean"], cell["loss_std"])
+            accuracy = _mean_std(cell["accuracy_mean"], None, 100.0, 1)
+            row += [f"{loss} ({accuracy})", _steps(cell)]
+        rows.append(row)
+    return _table(headers, rows)
+
+
+CELL_HEADERS = [
+    "optimizer",
+    "precision",
+    "factors",
+    "held-out loss",
+    "test acc %",
+    "failed seeds",
+    "vs fp32",
+    "steps to target",
+    "time vs AdamW",
+    "state MiB",
+    "step ms",
+]
+
+
+def cell_row(cell: dict) -> list[str]:
+    """One row of :data:`CELL_HEADERS` from a recorded cell."""
+    return [
+        cell["label"],
+        cell["precision"],
+        cell["factor"],
+        _mean_std(cell["loss_mean"], cell["loss_std"], digits=4),
+        _mean_std(cell["accuracy_mean"], cell["accuracy_std"], 100.0, 1),
+        cell["failures"] or f"{cell['failed_seeds']}/{cell['seeds']}",
+        cell["verdict"],
+        _steps(cell),
+        _ratio(cell["time_vs_adamw"]),
+        f"{cell['state_mib']:.3f}",
+        "—" if cell["median_step_ms"] is None else f"{cell['median_step_ms']:.2f}",
+    ]
+
+
+def run_section(folder: Path, root: Path = RESULTS) -> str:
+    """A record's heading, provenance and one table per task."""
+    record = load(folder)
+    rel = folder.relative_to(root.parent.parent).as_posix()
+    minutes = record["elapsed_s"] / 60
+    parts = [
+        f"### `{rel}/`",
+        "",
+        f"`{record['command']}`",
+        "",
+        f"{record['run_count']} runs in {minutes:.0f} min with {record['workers']} worker(s), "
+        f"{record['created']} on {record['machine']}, torch {record['torch']}.",
+    ]
+    verdicts: dict[str, int] = {}
+    for cell in record["cells"]:
+        if cell["verdict"] != "reference":
+            verdicts[cell["verdict"]] = verdicts.get(cell["verdict"], 0) + 1
+    if verdicts:
+        summary = ", ".join(f"{n} {v}" for v, n in sorted(verdicts.items()))
+        parts += ["", f"Low-precision cells against their fp32 cell: {summary}."]
+    for task in record["config"]["tasks"]:
+        rows = [cell_row(c) for c in record["cells"] if c["task"] == task]
+        steps = record["config"]["steps"][task]
+        rates = ", ".join(
+            f"{key.split('/', 1)[1]} {hparams.get('lr', '—')}"
+            for key, (hparams, _) in record["settings"].items()
+            if key.startswith(f"{task}/")
+        )
+        parts += ["", f"**{task}**, {steps} steps, seeds {record['config']['seeds']}:", ""]
+        parts += [f"Learning rates: {rates}.", ""] if rates else []
+        parts.append(_table(CELL_HEADERS, rows))
+    return "\n".join(parts) + "\n"
+
+
+def harness_tables(root: Path = RESULTS) -> str:
+    """Every recorded harness run, rendered; the verdict rule stated once."""
+    folders = run_folders(root)
+    rule = load(folders[0])["rule"] if folders else ""
+    parts = [f"**Verdict rule** (as recorded): {rule}", ""]
+    parts += [run_section(folder, root) for folder in folders]
+    return "\n".join(parts)
+
+
+# ---------------------------------------------------------------- MkDocs hooks
+def on_files(files, config):
+    """Add the benchmark records as pages under ``records/``."""
+    from mkdocs.structure.files import File
+
+    for source, page in RECORDS.items():
+        content = (RESULTS / source).read_text()
+        files.append(File.generated(config, f"records/{page}", content=content))
+    return files
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    """Fill the evidence page's markers from the recorded JSON."""
+    if page.file.src_uri == "evidence.md":
+        markdown = markdown.replace("<!-- harness-headline -->", headline_table())
+        markdown = markdown.replace("<!-- harness-tables -->", harness_tables())
+    return markdown
