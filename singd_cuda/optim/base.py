@@ -42,6 +42,9 @@ from ..curvature.layers import (
     input_sum_squares,
     is_supported,
     loss_terms,
+    misplaced_batch,
+    samples,
+    sequence_first_modules,
 )
 from ..distributed import comm as dist_comm
 from ..distributed import norm_fisher, recipe
@@ -179,6 +182,7 @@ class KroneckerOptimizer(Optimizer):
     _step_supports_amp_scaling = True  # GradScaler hands us grad_scale / found_inf
     common_defaults: ClassVar[dict[str, Any]] = dict(
         loss_average="batch",
+        batch_dim=None,
         factor_dtype=None,
         stochastic_rounding=False,
         fallback_lr=None,
@@ -223,6 +227,7 @@ class KroneckerOptimizer(Optimizer):
         self._undo = FactorUndo()
         self._capture: CurvatureCapture | None = None
         self._used_outside: set[int] = set()  # weights found used outside their modules
+        self._batch_warned: set[int] = set()  # weights warned about a misplaced batch
         self._index_model()
         self._sync: Synchronizer | None = None
         if dist_comm.is_active(process_group):
@@ -286,6 +291,8 @@ class KroneckerOptimizer(Optimizer):
         norm_params = {id(p) for g in self.param_groups if g["norm_fisher"] for p in g["params"]}
         self._norm_layers = norm_fisher.find_norm_layers(model, lambda p: id(p) in norm_params)
         self._norm_set = set(self._norm_layers)
+        sequence_first = sequence_first_modules(model)  # their layers count dimension 1
+        self._sequence_first = {x for x in self._layers if id(x.module) in sequence_first}
         self._layer_group = {
             layer: self._param_group[id(layer.weight)] for layer in self._layers + self._norm_layers
         }
@@ -398,11 +405,56 @@ class KroneckerOptimizer(Optimizer):
         hyperparameters.check_step(self, scheduled=False)
 
     def _loss_terms(self, layer: Layer, output: Tensor) -> int:
-        """The loss terms one call's output covers (its batch, or batch x positions)."""
-        loss_average = self.group_of(layer)["loss_average"]
+        """The loss terms one call's output covers (its samples along the batch dimension,
+        or samples x positions).
+
+        With ``batch_dim=None`` a layer of a sequence-first transformer layer counts
+        dimension 1 and sets the capture's ``model_batch``; any other layer counts
+        dimension 0 and warns once when its output looks sequence-first against
+        ``model_batch`` (:func:`~singd_cuda.curvature.layers.misplaced_batch`)."""
+        group = self.group_of(layer)
+        loss_average = group["loss_average"]
         if layer in self._norm_set:
             return norm_fisher.num_terms(layer.module, output, loss_average)
-        return loss_terms(layer, output, loss_average)
+        batch_dim = group["batch_dim"]
+        if batch_dim is not None:
+            return loss_terms(layer, output, loss_average, batch_dim)
+        capture = self._capture
+        if layer in self._sequence_first:
+            batch = samples(layer, output, 1)
+            if capture.model_batch not in (None, batch) and -1 not in self._batch_warned:
+                self._batch_warned.add(-1)  # once per optimizer
+                warnings.warn(
+                    f"{type(self).__name__}: the model input's dimension 0 "
+                    f"({capture.model_batch}) is not the batch ({batch}) its sequence-first "
+                    "transformer layers see; the other layers count dimension 0. If the "
+                    "model's data is sequence-first, pass batch_dim=1 (README, 'What counts "
+                    "as curvature')",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            capture.model_batch = batch
+            return loss_terms(layer, output, loss_average, 1)
+        if (
+            capture.model_batch is not None
+            and id(layer.weight) not in self._batch_warned
+            and misplaced_batch(layer, output, 0, capture.model_batch)
+        ):
+            self._batch_warned.add(id(layer.weight))
+            self._warn_misplaced_batch(layer, output, capture.model_batch)
+        return loss_terms(layer, output, loss_average, 0)
+
+    def _warn_misplaced_batch(self, layer: Layer, output: Tensor, batch: int) -> None:
+        warnings.warn(
+            f"{type(self).__name__}: layer '{layer.name}' counts its samples along dimension "
+            f"0 of its output {tuple(output.shape)}, but the model's batch is {batch}, the "
+            "size of another dimension: if the layer's data is sequence-first (positions, "
+            "batch, features), pass batch_dim=1 (for the optimizer, or in a parameter group "
+            "of those layers); batch_dim=0 keeps dimension 0 without this check (README, "
+            "'What counts as curvature')",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
     def _accumulate_statistics(
         self,
@@ -412,9 +464,11 @@ class KroneckerOptimizer(Optimizer):
         weight: float,
         into: dict,
         with_input: bool = True,
-    ) -> None:
+    ) -> bool:
         """One call's statistics into ``into``: the input side (a carries 1/√N) weighted by
-        ``weight``, the output side from the raw output gradient (g without √L)."""
+        ``weight`` (left out when ``with_input`` is False: a later backward pass through
+        a call counted already), the output side from the raw output gradient (g without
+        √L). True: the call counts."""
         group = self.group_of(layer)
         dtype = accumulation_dtype(layer.weight.dtype)
         if layer in self._norm_set:
@@ -423,20 +477,26 @@ class KroneckerOptimizer(Optimizer):
             if loss_average is not None:  # raw: without the √L the statistic carries
                 F.mul_(1.0 / max(norm_fisher.num_terms(layer.module, grad_output, loss_average), 1))
             merge_statistics(into, {"out": F})
-            return
+            return True
         rule = self.rule_for(group)
-        if (
-            with_input
-            and rule.diagonal_statistics(group)
-            and not (self._sync is not None and self._sync.distribute_factors)
+        device = grad_output.device
+        if rule.diagonal_statistics(group) and not (
+            self._sync is not None and self._sync.distribute_factors
         ):
-            h = input_sum_squares(layer, layer_input, dtype).mul_(weight)
+            if with_input:
+                h = input_sum_squares(layer, layer_input, dtype).mul_(weight)
+            else:
+                h = torch.zeros(layer.dim_in, dtype=dtype, device=device)
             s = grad_output_sum_squares(layer, grad_output, dtype)
             rule.accumulate_diagonal(layer, group, self._layer_state(layer, group), into, h, s)
-            return
-        a = input_matrix(layer, layer_input, dtype).mul_(math.sqrt(weight)) if with_input else None
+            return True
+        if with_input:
+            a = input_matrix(layer, layer_input, dtype).mul_(math.sqrt(weight))
+        else:  # no rows: the rules add nothing to the input side
+            a = torch.zeros(0, layer.dim_in, dtype=dtype, device=device)
         g = grad_output_matrix(layer, grad_output, dtype)
         self._accumulate(layer, group, into, a, g)
+        return True
 
     def _layer_state(self, layer: Layer, group: dict) -> dict:
         state = self.state[layer.weight]
