@@ -127,7 +127,6 @@ class CurvatureCapture:
         self._owner = weakref.proxy(owner)
         self.committed: dict[Layer, Committed] = {}
         self.accumulated: set[Layer] = set()
-        self.excluded: set[Layer] = set()  # layers the owner no longer preconditions
         self.taken_over = False  # another optimizer's capture hooks these modules now
         self.saw_samples = False  # a grad-enabled layer call held data since the last step
         self._staged: dict[Layer, _Staged] = {}
@@ -176,18 +175,16 @@ class CurvatureCapture:
         hook = _Hook(weakref.ref(self), "_on_accumulated", layer)
         self._grad_hooks[id(weight)] = weight.register_post_accumulate_grad_hook(hook)
 
-    def _saw(self, layer: Layer, output: Tensor) -> bool:
-        """Note a grad-enabled call of ``layer``; False when the owner dropped the layer."""
-        if layer in self.excluded:
-            return False
+    def _saw(self, layer: Layer, output: Tensor) -> None:
+        """Note a grad-enabled call of ``layer``."""
         self.saw_samples = self.saw_samples or output.numel() > 0
-        return True
 
     def _on_forward(self, index: int, output: Tensor) -> tuple[int, int, int]:
         """(takes statistics, call, w) of a grad-enabled call of a layer whose weight
         is trainable: its token (``capture_ops.mark``)."""
         layer = self._layers[index]
-        if not self._saw(layer, output) or not self._owner._wants_statistics(layer):
+        self._saw(layer, output)
+        if not self._owner._wants_statistics(layer):
             return (0, 0, 0)
         self._hook_weight(layer)  # a weight unfrozen after construction
         terms = int(self._owner._loss_terms(layer, output))

@@ -52,7 +52,7 @@ from ..distributed.ownership import layer_cost
 from ..distributed.synchronizer import DEFAULT_BUCKET_CAP_MB, Synchronizer
 from ..structures.base import accumulation_dtype, upcast
 from . import checkpoint, hyperparameters, summary
-from .fallback import adamw_update_
+from .fallback import adamw_update_, in_fallback
 from .finite import FactorUndo, FiniteCheck, tensors_of
 
 Schedule = float | Callable[[int], float]
@@ -221,12 +221,13 @@ class KroneckerOptimizer(Optimizer):
             params = list(model.parameters())
         super().__init__(params, {**self.common_defaults, **defaults, "step": 0})
         self._pending: dict[Layer, dict] = {}  # this step's normalised statistics
-        self._created: list[Tensor] = []  # states first created by this step's statistics
+        # layer states first created by this step's statistics: (param, previous state)
+        self._created: dict[Layer, list[tuple[Tensor, dict]]] = {}
         self._finite = FiniteCheck()
         self._scalars: dict[tuple[torch.device, torch.dtype], Tensor] = {}
         self._undo = FactorUndo()
         self._capture: CurvatureCapture | None = None
-        self._used_outside: set[int] = set()  # weights found used outside their modules
+        self._waiting_warned: set[int] = set()  # weights warned about waiting for statistics
         self._batch_warned: set[int] = set()  # weights warned about a misplaced batch
         self._index_model()
         self._sync: Synchronizer | None = None
@@ -325,7 +326,7 @@ class KroneckerOptimizer(Optimizer):
         its forward, or that were found used outside their modules train with the fallback
         instead."""
         trained = {id(p) for g in self.param_groups for p in g["params"]}
-        skipped = bypassed_modules(model) | self._used_outside
+        skipped = bypassed_modules(model)
         holders: dict[int, list[tuple[str, nn.Module]]] = {}
         for name, module in model.named_modules():
             for param in module._parameters.values():
@@ -499,11 +500,33 @@ class KroneckerOptimizer(Optimizer):
         return True
 
     def _layer_state(self, layer: Layer, group: dict) -> dict:
+        """The weight's state; at the layer's first statistics its factors are created
+        (replacing the fallback state its parameters had while waiting for them; a
+        skipped step, or statistics discarded before the step, restore that)."""
         state = self.state[layer.weight]
-        if not state:
+        if not state or in_fallback(state):
+            previous = []
+            for param in layer.params:
+                param_state = self.state[param]
+                if param is layer.weight or in_fallback(param_state):
+                    previous.append((param, dict(param_state)))
+                    param_state.clear()
             self.rule_for(group).init_state(layer, group, state)
-            self._created.append(layer.weight)  # a skipped step removes it again
+            self._created[layer] = previous
         return state
+
+    def _started(self, layer: Layer) -> bool:
+        """Whether the layer is preconditioned: it has factors, or statistics now."""
+        state = self.state.get(layer.weight)
+        return layer in self._pending or (bool(state) and not in_fallback(state))
+
+    def _restore_created(self, layers: Iterable[Layer]) -> None:
+        for layer in layers:
+            for param, previous in self._created.pop(layer, ()):
+                if previous:
+                    self.state[param] = previous
+                else:
+                    self.state.pop(param, None)
 
     def _accumulate(self, layer: Layer, group: dict, pending: dict, a, g) -> None:
         rule = self.rule_for(group)
@@ -579,10 +602,11 @@ class KroneckerOptimizer(Optimizer):
                 "layer (remove_hooks() on an optimizer releases its layers)"
             )
         grad_scale, stats_scale, found_inf = self._loss_scale()
-        self._stop_preconditioning_weights_used_outside()
         self._pending = self._normalised_statistics(stats_scale)
         if self._sync is not None:  # average first, so that every rank decides alike
             grad_scale, found_inf = self._synchronise(grad_scale, found_inf)
+        # states created by statistics that were discarded before the step (zero_grad)
+        self._restore_created([layer for layer in self._created if layer not in self._pending])
         if found_inf is not None and bool(found_inf.item()):
             return self._skip("")  # the GradScaler skips and backs off; that is routine
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
@@ -603,6 +627,10 @@ class KroneckerOptimizer(Optimizer):
             if any(p.grad is not None for p in layer.params)
             and (self._sync is None or self._sync.owns(layer))
         ]
+        waiting = [layer for layer in layers if not self._started(layer)]
+        if waiting:
+            self._warn_waiting(waiting)
+            layers = [layer for layer in layers if layer not in waiting]
         if not self._update_factors(layers):
             return self._skip(
                 f"{type(self).__name__}: a factor update produced non-finite values, step "
@@ -615,10 +643,11 @@ class KroneckerOptimizer(Optimizer):
         for layer in layers:
             self._layer_step(layer, grad_scale, fused)
         self._fused_apply(fused, grad_scale)
+        self._fallback_step(grad_scale, [p for layer in waiting for p in layer.params])
         if self._sync is not None:
             self._sync.share_parameters()
         self._norm_step(grad_scale)
-        self._fallback_step(grad_scale)
+        self._fallback_step(grad_scale, self._fallback_params)
         for group in self.param_groups:
             group["step"] += 1
         self._forget_statistics()
@@ -632,8 +661,7 @@ class KroneckerOptimizer(Optimizer):
 
     def _skip(self, reason: str) -> None:
         """Drop this step's statistics (and any state they created); change nothing else."""
-        for param in self._created:
-            self.state.pop(param, None)
+        self._restore_created(list(self._created))
         self._forget_statistics()
         if reason:
             if self.nonfinite == "raise":
@@ -655,7 +683,7 @@ class KroneckerOptimizer(Optimizer):
         pending = {}
         for layer, committed in self._capture.committed.items():
             statistics = committed.statistics
-            if committed.terms <= 0 or not statistics or layer in self._capture.excluded:
+            if committed.terms <= 0 or not statistics:
                 continue
             terms = committed.terms
             if "in" in statistics:  # norm layers have no input side
@@ -677,37 +705,27 @@ class KroneckerOptimizer(Optimizer):
             self._scalars[key] = torch.zeros((), dtype=key[1], device=key[0])
         statistic.mul_(self._scalars[key].fill_(factor))
 
-    def _stop_preconditioning_weights_used_outside(self) -> None:
-        """A layer whose weight received a gradient on a statistics step but no statistics
-        is used outside its module's forward (``F.linear(x, module.weight)``): its
-        curvature cannot be captured, so from now on the fallback trains it."""
-        committed, accumulated = self._capture.committed, self._capture.accumulated
-        lost = [
-            layer
-            for layer in self._layers
-            if layer in accumulated
-            and layer not in committed
-            and self._wants_statistics(layer)
-            and self._statistics_from_backward(self.group_of(layer))
-        ]
-        if not lost:
-            return
-        for layer in lost:
+    def _warn_waiting(self, layers: list[Layer]) -> None:
+        """Once per layer: a weight with a gradient but no statistics on a statistics step
+        that never had any (``F.linear(x, module.weight)`` outside the module's forward,
+        a head not yet called whose weight is in an L2 term) is trained by the fallback
+        until its first statistics."""
+        for layer in layers:
+            if layer.weight.grad is None or id(layer.weight) in self._waiting_warned:
+                continue  # a frozen weight's bias: no statistics are expected
+            if not self._wants_statistics(layer):
+                continue
+            if not self._statistics_from_backward(self.group_of(layer)):
+                continue
+            self._waiting_warned.add(id(layer.weight))
             warnings.warn(
                 f"{type(self).__name__}: the weight of layer '{layer.name}' received a "
-                "gradient but no curvature statistics (it is used outside its module's "
-                "forward, e.g. F.linear(x, module.weight)); the AdamW fallback trains it "
-                "from now on",
+                "gradient but no curvature statistics, and never had any: the AdamW "
+                "fallback trains it until its first statistics (a weight used outside its "
+                "module's forward, e.g. F.linear(x, module.weight), never gets any)",
                 RuntimeWarning,
                 stacklevel=4,
             )
-            self._used_outside.add(id(layer.weight))  # for later re-indexing
-            self._capture.excluded.add(layer)
-            for param in layer.params:
-                self.state.pop(param, None)
-            self._fallback_params.extend(layer.params)
-            del self._layer_group[layer]
-        self._layers = [layer for layer in self._layers if layer not in lost]
 
     def _statistics_from_backward(self, group: dict) -> bool:
         """Whether the group's statistics come from the backward of the loss (not, as for
@@ -828,10 +846,10 @@ class KroneckerOptimizer(Optimizer):
             ]
             sgd_update_(layer.params, directions, states, group, self._seed(group, layer.weight))
 
-    def _fallback_step(self, grad_scale: Tensor | None) -> None:
-        """AdamW on the fallback parameters that have a gradient, one write per group."""
+    def _fallback_step(self, grad_scale: Tensor | None, params: list[Tensor]) -> None:
+        """AdamW on those of ``params`` that have a gradient, one write per group."""
         by_group: dict[int, list[Tensor]] = {}
-        for p in self._fallback_params:
+        for p in params:
             if p.grad is not None:
                 by_group.setdefault(self._param_group[id(p)], []).append(p)
         for index, params in by_group.items():

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
 
+from .fallback import in_fallback
 from .hyperparameters import factor_keys, validate
 
 if TYPE_CHECKING:
@@ -56,6 +57,7 @@ def check_fits(optimizer: KroneckerOptimizer, state_dict: dict[str, Any]) -> Non
     params = [p for group in optimizer.param_groups for p in group["params"]]
     names = {id(p): n for n, p in optimizer.model.named_parameters()}
     expected = _expected_states(optimizer)
+    layer_params = {id(p) for layer in optimizer.layers for p in layer.params}
     for index, state in state_dict["state"].items():
         if not isinstance(index, int) or not 0 <= index < len(params):
             raise CheckpointMismatchError(
@@ -65,6 +67,8 @@ def check_fits(optimizer: KroneckerOptimizer, state_dict: dict[str, Any]) -> Non
         param = params[index]
         where = f"parameter {index} ('{names.get(id(param), '?')}', shape {tuple(param.shape)})"
         required, optional = expected[id(param)]
+        if isinstance(state, dict) and in_fallback(state) and id(param) in layer_params:
+            required, optional = {}, FALLBACK_STATE  # waiting for its first statistics
         _check_state(where, state, param, required, optional, fix)
 
 
