@@ -322,9 +322,9 @@ class KroneckerOptimizer(Optimizer):
     def _find_layers(self, model: nn.Module) -> list[Layer]:
         """One layer per trained weight of supported modules (several modules sharing a
         weight make one layer; an output head tied to an ``nn.Embedding`` is one layer of
-        the head's calls). Weights that other modules hold too, that a module uses without
-        its forward, or that were found used outside their modules train with the fallback
-        instead."""
+        the head's calls). Weights that other modules hold too, or that a module uses
+        without its forward, train with the fallback instead (and so does a layer until
+        its first statistics)."""
         trained = {id(p) for g in self.param_groups for p in g["params"]}
         skipped = bypassed_modules(model)
         holders: dict[int, list[tuple[str, nn.Module]]] = {}
@@ -505,12 +505,12 @@ class KroneckerOptimizer(Optimizer):
         skipped step, or statistics discarded before the step, restore that)."""
         state = self.state[layer.weight]
         if not state or in_fallback(state):
-            previous = []
-            for param in layer.params:
-                param_state = self.state[param]
-                if param is layer.weight or in_fallback(param_state):
-                    previous.append((param, dict(param_state)))
-                    param_state.clear()
+            previous = [(layer.weight, dict(state))]
+            bias_state = self.state.get(layer.bias) if layer.bias is not None else None
+            if bias_state is not None and in_fallback(bias_state):
+                previous.append((layer.bias, dict(bias_state)))
+                bias_state.clear()
+            state.clear()
             self.rule_for(group).init_state(layer, group, state)
             self._created[layer] = previous
         return state
