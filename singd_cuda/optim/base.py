@@ -337,6 +337,8 @@ class KroneckerOptimizer(Optimizer):
             weight = getattr(module, "weight", None)
             if not is_supported(module) or id(weight) not in trained:
                 continue
+            if weight.numel() == 0:  # no inputs or no outputs: nothing to precondition
+                continue
             if id(weight) in seen or id(module) in skipped or id(weight) in skipped:
                 continue
             seen.add(id(weight))
@@ -610,6 +612,12 @@ class KroneckerOptimizer(Optimizer):
         if found_inf is not None and bool(found_inf.item()):
             return self._skip("")  # the GradScaler skips and backs off; that is routine
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if any(grad.layout != torch.strided for grad in grads):
+            raise RuntimeError(
+                f"{type(self).__name__} does not support sparse gradients (an nn.Embedding "
+                "or nn.EmbeddingBag with sparse=True): use sparse=False, or train those "
+                "parameters with torch.optim.SparseAdam and leave them out of params="
+            )
         if found_inf is None and not self._finite.all_finite(grads):
             return self._skip(
                 f"{type(self).__name__}: non-finite gradient, step skipped and statistics "
