@@ -228,7 +228,7 @@ class KroneckerOptimizer(Optimizer):
         self._undo = FactorUndo()
         self._capture: CurvatureCapture | None = None
         self._waiting_warned: set[int] = set()  # weights warned about waiting for statistics
-        self._batch_warned: set[int] = set()  # weights warned about a misplaced batch
+        self._batch_checked: set[int] = set()  # weights whose batch dimension was checked
         self._index_model()
         self._sync: Synchronizer | None = None
         if dist_comm.is_active(process_group):
@@ -425,8 +425,8 @@ class KroneckerOptimizer(Optimizer):
         capture = self._capture
         if layer in self._sequence_first:
             batch = samples(layer, output, 1)
-            if capture.model_batch not in (None, batch) and -1 not in self._batch_warned:
-                self._batch_warned.add(-1)  # once per optimizer
+            if capture.model_batch not in (None, batch) and -1 not in self._batch_checked:
+                self._batch_checked.add(-1)  # once per optimizer
                 warnings.warn(
                     f"{type(self).__name__}: the model input's dimension 0 "
                     f"({capture.model_batch}) is not the batch ({batch}) its sequence-first "
@@ -438,13 +438,10 @@ class KroneckerOptimizer(Optimizer):
                 )
             capture.model_batch = batch
             return loss_terms(layer, output, loss_average, 1)
-        if (
-            capture.model_batch is not None
-            and id(layer.weight) not in self._batch_warned
-            and misplaced_batch(layer, output, 0, capture.model_batch)
-        ):
-            self._batch_warned.add(id(layer.weight))
-            self._warn_misplaced_batch(layer, output, capture.model_batch)
+        if capture.model_batch is not None and id(layer.weight) not in self._batch_checked:
+            self._batch_checked.add(id(layer.weight))  # the first call says it
+            if misplaced_batch(layer, output, 0, capture.model_batch):
+                self._warn_misplaced_batch(layer, output, capture.model_batch)
         return loss_terms(layer, output, loss_average, 0)
 
     def _warn_misplaced_batch(self, layer: Layer, output: Tensor, batch: int) -> None:
@@ -612,7 +609,7 @@ class KroneckerOptimizer(Optimizer):
         if found_inf is not None and bool(found_inf.item()):
             return self._skip("")  # the GradScaler skips and backs off; that is routine
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        if any(grad.layout != torch.strided for grad in grads):
+        if any(p.grad is not None and p.grad.is_sparse for p in self._fallback_params):
             raise RuntimeError(
                 f"{type(self).__name__} does not support sparse gradients (an nn.Embedding "
                 "or nn.EmbeddingBag with sparse=True): use sparse=False, or train those "

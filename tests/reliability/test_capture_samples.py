@@ -143,6 +143,24 @@ def test_sequence_first_linear_layers_with_batch_dim_equal_batch_first(name, los
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_sequence_first_micro_batches_equal_the_batch_first_whole_batch(name):
+    """Uneven micro-batches of a sequence-first model (losses weighted by size)."""
+
+    def accumulated(model, opt, x, y):
+        opt.zero_grad()
+        for xs, ys in zip(x.split((3, 7)), y.split((3, 7)), strict=True):
+            (loss_sum(model(xs), ys) / len(y)).backward()
+        opt.step()
+
+    data = sequences()
+    model = LinearSequence("sequence")
+    opt = make_optimizer(name, model, batch_dim=1)
+    for x, y in data:
+        accumulated(model, opt, x, y)
+    assert_close_params(params_of(model), train(name, LinearSequence("batch"), data))
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_sequence_first_recurrent_model_equals_batch_first(name):
     data = sequences()
     first = Recurrent(batch_first=True)
