@@ -118,15 +118,13 @@ def merge_statistics(into: Statistics, new: Statistics) -> None:
 class CurvatureCapture:
     """The hooks of one optimizer on one model (see the module docstring).
 
-    ``committed`` maps layers to :class:`Committed`; ``accumulated`` holds the layers
-    whose weight received a gradient since the last :meth:`reset` (on any step), and
-    ``saw_samples`` whether a grad-enabled call of a layer held any data since then.
+    ``committed`` maps layers to :class:`Committed`, and ``saw_samples`` says whether a
+    grad-enabled call of a layer held any data since the last :meth:`reset`.
     """
 
     def __init__(self, model: nn.Module, layers: list[Layer], owner: CaptureOwner) -> None:
         self._owner = weakref.proxy(owner)
         self.committed: dict[Layer, Committed] = {}
-        self.accumulated: set[Layer] = set()
         self.taken_over = False  # another optimizer's capture hooks these modules now
         self.saw_samples = False  # a grad-enabled layer call held data since the last step
         self._staged: dict[Layer, _Staged] = {}
@@ -223,7 +221,6 @@ class CurvatureCapture:
             )
 
     def _on_accumulated(self, layer: Layer, weight: Tensor) -> None:
-        self.accumulated.add(layer)
         staged = self._staged.pop(layer, None)
         if staged is None:
             return
@@ -258,13 +255,11 @@ class CurvatureCapture:
         """Forget what the passes since the last step left (``zero_grad``): a thrown-away
         batch counts for nothing."""
         self.committed.clear()
-        self.accumulated.clear()
         self.saw_samples = False
 
     def reset(self) -> None:
         """After a step (taken or skipped): forget statistics, counts and gradient marks."""
         self.committed.clear()
-        self.accumulated.clear()
         self.saw_samples = False
 
     def remove(self) -> None:

@@ -157,7 +157,7 @@ class KFAC(KroneckerOptimizer):
         )
         defaults.update(checked_fallback(fallback))
         self._rule = KfacRule()
-        self._ggn_column: int | None = None  # the output column a GGN capture is on
+        self._capturing_ggn = False  # in the backward passes of capture_ggn
         super().__init__(
             model,
             params,
@@ -189,8 +189,7 @@ class KFAC(KroneckerOptimizer):
     ) -> bool:
         # with fisher="ggn", only the backward passes of capture_ggn count; they are
         # several passes of one forward: the input side comes from the first only
-        capturing = self._ggn_column is not None
-        if (self.group_of(layer)["fisher"] == "ggn") != capturing:
+        if (self.group_of(layer)["fisher"] == "ggn") != self._capturing_ggn:
             return False
         return super()._accumulate_statistics(
             layer, layer_input, grad_output, weight, into, with_input=with_input
@@ -225,13 +224,13 @@ class KFAC(KroneckerOptimizer):
                 p = torch.softmax(flat.to(accumulation_dtype(flat.dtype)), -1).to(flat.dtype)
                 root = torch.diag_embed(p.sqrt()) - p.unsqueeze(2) * p.sqrt().unsqueeze(1)
         params = [p for layer in self._layers for p in layer.params]
+        self._capturing_ggn = True
         try:
             with self._capture.direct():  # these passes accumulate no gradient, by design
                 for column in range(flat.shape[1]):
-                    self._ggn_column = column
                     vector = (root[:, :, column] / num_terms).reshape(output.shape)
                     torch.autograd.grad(
                         output, params, vector, retain_graph=True, allow_unused=True
                     )
         finally:
-            self._ggn_column = None
+            self._capturing_ggn = False
