@@ -20,12 +20,15 @@ How:
   discards the statistics committed before it, as it discards the gradient; the owner
   calls :meth:`discard` on its own ``zero_grad`` (which may keep zero-filled grads).
 
-Counting (so that any split of one batch gives that batch's statistics): a *model
-forward* (one call of the hooked model, or, without one, what runs between two backward
-passes) has a number of loss terms w (its batch size, or batch x positions); every call
-of a layer within it is weighted by w on the input side, the output side is kept as raw
-sums, and the owner divides by / multiplies with the total of w over the committed
-forwards (see :class:`Committed`). Empty batches have w = 0 and count for nothing.
+Counting (so that any split of one batch gives that batch's statistics): samples are
+counted where a layer sees them. Every call of a layer that a committed backward pass
+reaches has a number of loss terms w (the samples of its output along the batch
+dimension, or samples x positions); the input side is weighted by w, the output side is
+kept as raw sums, and the owner divides by / multiplies with the total of w over the
+committed calls (see :class:`Committed`): the statistics of one call on the joined
+inputs. A call reached by several backward passes (``retain_graph=True``) counts its
+samples and its input side once and its output side in every pass. Empty batches have
+w = 0 and count for nothing.
 
 The hooks read and write no capture state themselves: the ops of :mod:`.capture_ops` do,
 at run time, so ``torch.compile`` traces a hooked model without a graph break, on steps
@@ -40,6 +43,7 @@ no working hook behind.
 
 from __future__ import annotations
 
+import itertools
 import sys
 import weakref
 from collections.abc import Callable
@@ -65,7 +69,8 @@ class CaptureOwner(Protocol):
         """Whether ``layer`` takes statistics on the current step."""
 
     def _loss_terms(self, layer: Layer, output: Tensor) -> int:
-        """w of one call: the loss terms its output (or output gradient) covers."""
+        """w of one call: the loss terms its output covers (it may read and update the
+        capture's ``model_batch``)."""
 
     def _accumulate_statistics(
         self,
@@ -74,9 +79,12 @@ class CaptureOwner(Protocol):
         grad_output: Tensor,
         weight: float,
         into: Statistics,
-    ) -> None:
-        """Add one call's statistics to ``into``: the input side weighted by ``weight``
-        (w of its forward), the output side as the raw gradient's."""
+        with_input: bool,
+    ) -> bool:
+        """Add one call's statistics to ``into``: the input side (unless ``with_input`` is
+        False: the call's input side is in already) weighted by ``weight`` (w of the call),
+        the output side as the raw gradient's. False when it added nothing (the call
+        then does not count)."""
 
 
 @dataclass
@@ -85,7 +93,7 @@ class Committed:
 
     statistics: Statistics = field(default_factory=dict)
     terms: float = 0.0
-    forwards: set[int] = field(default_factory=set)  # forwards counted in ``terms``
+    calls: set[int] = field(default_factory=set)  # layer calls counted in ``terms``
     direct: bool = False  # committed without a gradient (:meth:`CurvatureCapture.direct`)
 
 
@@ -94,7 +102,7 @@ class _Staged:
     """Statistics of one layer in the running backward pass, not committed yet."""
 
     statistics: Statistics = field(default_factory=dict)
-    forwards: dict[int, float] = field(default_factory=dict)  # forward -> w
+    calls: dict[int, float] = field(default_factory=dict)  # call -> w
     after_reset: bool = False  # the weight's .grad was None when the pass began
 
 
@@ -110,22 +118,23 @@ def merge_statistics(into: Statistics, new: Statistics) -> None:
 class CurvatureCapture:
     """The hooks of one optimizer on one model (see the module docstring).
 
-    ``committed`` maps layers to :class:`Committed`; ``accumulated`` holds the layers
-    whose weight received a gradient since the last :meth:`reset` (on any step), and
-    ``saw_samples`` whether a grad-enabled call of a layer held any data since then.
+    ``committed`` maps layers to :class:`Committed`, and ``saw_samples`` says whether a
+    grad-enabled call of a layer held any data since the last :meth:`reset`.
     """
 
     def __init__(self, model: nn.Module, layers: list[Layer], owner: CaptureOwner) -> None:
         self._owner = weakref.proxy(owner)
         self.committed: dict[Layer, Committed] = {}
-        self.accumulated: set[Layer] = set()
-        self.excluded: set[Layer] = set()  # layers the owner no longer preconditions
         self.taken_over = False  # another optimizer's capture hooks these modules now
         self.saw_samples = False  # a grad-enabled layer call held data since the last step
         self._staged: dict[Layer, _Staged] = {}
-        # the number of the current model forward (in a tensor: the ops read it in a graph)
+        # model forwards so far, in a tensor that ``begin`` writes and ``mark`` reads, so
+        # that a compiled graph keeps the ops in order
         self._forward = torch.zeros((), dtype=torch.int64, device="cpu")
-        self._forward_terms: dict[tuple[Layer, int], int] = {}
+        self._calls = itertools.count()  # ids of layer calls that take statistics
+        # the batch of the running model forward: its input's dimension 0, or what a layer
+        # that knows its batch dimension counted since (None outside a model forward)
+        self.model_batch: int | None = None
         self._callback_queued = False
         self._direct = False
         self._grad_hooks: dict[int, object] = {}
@@ -141,7 +150,9 @@ class CurvatureCapture:
             for index, layer in enumerate(layers)
             for module in layer.modules
         ]
-        self._handles.append(model.register_forward_pre_hook(_ModelHook(handle, self._forward)))
+        self._handles.append(
+            model.register_forward_pre_hook(_ModelHook(handle, self._forward), with_kwargs=True)
+        )
         for layer in layers:
             self._hook_weight(layer)
         _forget_compiled_code()
@@ -150,7 +161,8 @@ class CurvatureCapture:
 
     # ------------------------------------------------------------- forward
     # At run time, inside the graph ops of capture_ops (compiled or not).
-    def _on_model_forward(self) -> None:
+    def _on_model_forward(self, batch: int) -> None:
+        self.model_batch = batch if batch >= 0 else None
         self._owner._before_forward()
 
     def _hook_weight(self, layer: Layer) -> None:
@@ -161,37 +173,31 @@ class CurvatureCapture:
         hook = _Hook(weakref.ref(self), "_on_accumulated", layer)
         self._grad_hooks[id(weight)] = weight.register_post_accumulate_grad_hook(hook)
 
-    def _saw(self, layer: Layer, output: Tensor) -> bool:
-        """Note a grad-enabled call of ``layer``; False when the owner dropped the layer."""
-        if layer in self.excluded:
-            return False
+    def _saw(self, layer: Layer, output: Tensor) -> None:
+        """Note a grad-enabled call of ``layer``."""
         self.saw_samples = self.saw_samples or output.numel() > 0
-        return True
 
-    def _on_forward(self, index: int, forward: int, output: Tensor) -> tuple[int, int, int]:
-        """(takes statistics, forward, w) of a grad-enabled call of a layer whose weight
+    def _on_forward(self, index: int, output: Tensor) -> tuple[int, int, int]:
+        """(takes statistics, call, w) of a grad-enabled call of a layer whose weight
         is trainable: its token (``capture_ops.mark``)."""
         layer = self._layers[index]
-        if not self._saw(layer, output) or not self._owner._wants_statistics(layer):
-            return (0, forward, 0)
+        self._saw(layer, output)
+        if not self._owner._wants_statistics(layer):
+            return (0, 0, 0)
         self._hook_weight(layer)  # a weight unfrozen after construction
-        key = (layer, forward)
-        if key not in self._forward_terms:  # the first call of the layer in this forward
-            self._forward_terms[key] = int(self._owner._loss_terms(layer, output))
-        return (1, forward, int(self._forward_terms[key]))
+        terms = int(self._owner._loss_terms(layer, output))
+        return (1, next(self._calls), terms)
 
     # ------------------------------------------------------------ backward
     def _on_grad(
-        self, index: int, layer_input: Tensor, grad_output: Tensor, forward: int, weight: float
+        self, index: int, layer_input: Tensor, grad_output: Tensor, call: int, weight: float
     ) -> None:
         layer = self._layers[index]
         if self._direct:
             committed = self.committed.setdefault(layer, Committed(direct=True))
-            with torch.autocast(grad_output.device.type, enabled=False):
-                self._owner._accumulate_statistics(
-                    layer, layer_input, grad_output, weight, committed.statistics
-                )
-            self._count(committed, {forward: weight})
+            new = call not in committed.calls
+            if self._accumulate(layer, layer_input, grad_output, weight, committed, new) and new:
+                self._count(committed, {call: weight})
             return
         staged = self._staged.get(layer)
         if staged is None:
@@ -202,14 +208,19 @@ class CurvatureCapture:
                 torch.autograd.Variable._execution_engine.queue_callback(
                     lambda: _call(ref, "_on_backward_end")
                 )
+        previous = self.committed.get(layer)
+        kept = previous is not None and (previous.direct or not staged.after_reset)
+        new = call not in staged.calls and not (kept and call in previous.calls)
+        if self._accumulate(layer, layer_input, grad_output, weight, staged, new) and new:
+            staged.calls[call] = weight
+
+    def _accumulate(self, layer, layer_input, grad_output, weight, into, with_input) -> bool:
         with torch.autocast(grad_output.device.type, enabled=False):
-            self._owner._accumulate_statistics(
-                layer, layer_input, grad_output, weight, staged.statistics
+            return self._owner._accumulate_statistics(
+                layer, layer_input, grad_output, weight, into.statistics, with_input
             )
-        staged.forwards.setdefault(forward, weight)
 
     def _on_accumulated(self, layer: Layer, weight: Tensor) -> None:
-        self.accumulated.add(layer)
         staged = self._staged.pop(layer, None)
         if staged is None:
             return
@@ -218,21 +229,21 @@ class CurvatureCapture:
             del self.committed[layer]
         committed = self.committed.setdefault(layer, Committed())
         merge_statistics(committed.statistics, staged.statistics)
-        self._count(committed, staged.forwards)
+        self._count(committed, staged.calls)
 
     @staticmethod
-    def _count(committed: Committed, forwards: dict[int, float]) -> None:
-        for forward, weight in forwards.items():
-            if forward not in committed.forwards:
-                committed.forwards.add(forward)
+    def _count(committed: Committed, calls: dict[int, float]) -> None:
+        for call, weight in calls.items():
+            if call not in committed.calls:
+                committed.calls.add(call)
                 committed.terms += weight
 
     def _on_backward_end(self) -> None:
         """Drop what this backward pass staged but did not accumulate into a ``.grad``;
-        later calls belong to another forward."""
+        later layer calls belong to no model forward until the next one begins."""
         self._staged.clear()
         self._callback_queued = False
-        self._forward.add_(1)
+        self.model_batch = None
 
     # ------------------------------------------------------------- control
     def direct(self) -> _DirectCommit:
@@ -244,14 +255,11 @@ class CurvatureCapture:
         """Forget what the passes since the last step left (``zero_grad``): a thrown-away
         batch counts for nothing."""
         self.committed.clear()
-        self.accumulated.clear()
         self.saw_samples = False
 
     def reset(self) -> None:
         """After a step (taken or skipped): forget statistics, counts and gradient marks."""
         self.committed.clear()
-        self.accumulated.clear()
-        self._forward_terms.clear()
         self.saw_samples = False
 
     def remove(self) -> None:
@@ -338,10 +346,14 @@ class _ModelHook(_InertCopies):
     def __init__(self, handle: int, forward: Tensor) -> None:
         self._handle, self._forward = handle, forward
 
-    def __call__(self, module: nn.Module, args) -> None:
+    def __call__(self, module: nn.Module, args, kwargs) -> None:
         if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
             return  # torch.func: a forward that takes no statistics
-        capture_ops.begin(self._forward, self._handle, torch.is_grad_enabled())
+        batch = next(
+            (x.shape[0] for x in (*args, *kwargs.values()) if isinstance(x, Tensor) and x.dim()),
+            -1,
+        )
+        capture_ops.begin(self._forward, self._handle, batch, torch.is_grad_enabled())
 
 
 class _LayerHook(_InertCopies):

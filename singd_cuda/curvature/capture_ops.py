@@ -2,13 +2,14 @@
 traces a preconditioned model into one graph per forward and backward).
 
 The capture's bookkeeping is Python state (what each backward pass staged, what it
-committed, the loss terms of each forward). Dynamo cannot trace that, so the hooks put
+committed, the loss terms of each layer call). Dynamo cannot trace that, so the hooks put
 three ops into the graph, each running the capture's Python at run time, compiled or not:
 
-* ``singd_capture::begin(counter)``, at each call of the hooked model: counts the model
-  forward (``counter`` += 1, in place, so every later op of the forward reads it after).
+* ``singd_capture::begin(counter, batch)``, at each call of the hooked model: counts the
+  model forward (``counter`` += 1, in place, so every later op of the forward reads it
+  after) and notes the batch of its input.
 * ``singd_capture::mark(counter, output) -> token``, at each call of a layer: whether the
-  call takes statistics, its forward and its w, as an int64 tensor (3,) on the CPU.
+  call takes statistics, its id and its w, as an int64 tensor (3,) on the CPU.
 * ``singd_capture::stage(grad_output, layer_input, token) -> 0``, in the backward of the
   layer output (:class:`Stage`): computes and stages the call's statistics. It returns
   the gradient of the capture's *probe*, a scalar leaf tensor that every layer's
@@ -27,7 +28,7 @@ import weakref
 import torch
 from torch import Tensor
 
-TOKEN_FIELDS = 3  # (takes statistics, forward, w)
+TOKEN_FIELDS = 3  # (takes statistics, call, w)
 _captures: dict[int, weakref.ref] = {}
 _handles = itertools.count()
 
@@ -58,26 +59,26 @@ def _in_graph(op, impl):
     return call
 
 
-def _begin(counter: Tensor, handle: int, grad_enabled: bool) -> None:
+def _begin(counter: Tensor, handle: int, batch: int, grad_enabled: bool) -> None:
     counter.add_(1)
     capture = _lookup(handle)
     if capture is not None and grad_enabled:
-        capture._on_model_forward()
+        capture._on_model_forward(int(batch))
 
 
 def _mark(counter: Tensor, output: Tensor, handle: int, index: int) -> Tensor:
     capture = _lookup(handle)
-    fields = (0, 0, 0) if capture is None else capture._on_forward(index, int(counter), output)
+    fields = (0, 0, 0) if capture is None else capture._on_forward(index, output)
     return torch.tensor(fields, dtype=torch.int64, device="cpu")
 
 
 def _stage(
     grad_output: Tensor, layer_input: Tensor, token: Tensor, handle: int, index: int
 ) -> Tensor:
-    takes, forward, weight = token.tolist()
+    takes, call, weight = token.tolist()
     capture = _lookup(handle) if takes else None
     if capture is not None:
-        capture._on_grad(index, layer_input, grad_output, forward, float(weight))
+        capture._on_grad(index, layer_input, grad_output, call, float(weight))
     return torch.zeros((), dtype=torch.float32, device="cpu")
 
 

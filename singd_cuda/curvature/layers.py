@@ -62,6 +62,8 @@ class LayerKind:
         """g: (N, d_C), the output gradient rows, paired with the rows of :meth:`inputs`."""
         return grad.reshape(-1, grad.shape[-1])
 
+    features_last = True  # outputs are (leading dims..., d_C): ``batch_dim`` applies
+
     def output_terms(self, module: nn.Module, grad: Tensor) -> tuple[int, int]:
         """(batch size, N) of an output gradient: samples, and rows of g (samples times
         positions, e.g. tokens); from the shape only."""
@@ -112,6 +114,8 @@ class TransposedLinearKind(LinearKind):
 
 class Conv2dKind(LayerKind):
     """``nn.Conv2d``: unfolded patches, one row per (sample, output position)."""
+
+    features_last = False  # NCHW: the batch is dimension 0
 
     def inputs(self, module: nn.Module, x: Tensor) -> Tensor:
         x, padding = _padded(module, _batched(x))
@@ -260,6 +264,19 @@ class Layer:
         return f"Layer('{self.name}', {type(self.module).__name__}, weight {weight}{bias})"
 
 
+def sequence_first_modules(model: nn.Module) -> set[int]:
+    """ids of the modules inside PyTorch's sequence-first transformer layers
+    (``nn.TransformerEncoderLayer`` / ``nn.TransformerDecoderLayer`` with
+    ``batch_first=False``, as ``nn.Transformer`` builds them by default): their Linear
+    layers see (positions, batch, features), so their batch is dimension 1."""
+    found = set()
+    for module in model.modules():
+        layer_classes = nn.TransformerEncoderLayer | nn.TransformerDecoderLayer
+        if isinstance(module, layer_classes) and not module.self_attn.batch_first:
+            found.update(id(m) for m in module.modules())
+    return found
+
+
 def bypassed_modules(model: nn.Module) -> set[int]:
     """ids of supported modules whose own forward never runs, so no statistics reach
     them: ``nn.MultiheadAttention`` uses ``out_proj.weight`` directly. Their
@@ -275,12 +292,38 @@ def input_matrix(layer: Layer, x: Tensor, dtype: torch.dtype) -> Tensor:
     return a / math.sqrt(max(a.shape[0], 1))
 
 
-def loss_terms(layer: Layer, output: Tensor, loss_average: str | None) -> int:
-    """L: the loss terms one call's output (or output gradient) covers: its batch size,
-    or batch times positions for "batch+sequence" (an unbatched input is a batch of one);
-    from the shape only."""
-    batch, rows = layer.kind.output_terms(layer.module, output)
-    return rows if loss_average == "batch+sequence" else batch
+def samples(layer: Layer, output: Tensor, batch_dim: int) -> int:
+    """The samples one call's output (or output gradient) holds, from its shape: for
+    features-last kinds (Linear-like) the size of leading dimension ``batch_dim``, or of
+    the first when there is no such leading dimension (a (B, C) head after pooling in a
+    sequence-first model); for other kinds (Conv2d: NCHW) the kind's own batch size.
+    An unbatched output is one sample."""
+    kind = layer.kind
+    if batch_dim == 0 or not kind.features_last or output.dim() - 1 <= batch_dim:
+        return kind.output_terms(layer.module, output)[0]
+    return output.shape[batch_dim]
+
+
+def loss_terms(layer: Layer, output: Tensor, loss_average: str | None, batch_dim: int = 0) -> int:
+    """L: the loss terms one call's output (or output gradient) covers: its samples
+    (:func:`samples`), or samples times positions (every row of g) for
+    "batch+sequence"; from the shape only."""
+    if loss_average == "batch+sequence":
+        return layer.kind.output_terms(layer.module, output)[1]
+    return samples(layer, output, batch_dim)
+
+
+def misplaced_batch(layer: Layer, output: Tensor, batch_dim: int, model_batch: int) -> bool:
+    """Whether a call counted along ``batch_dim`` looks sequence-first or transposed: its
+    count differs from ``model_batch`` (the model input's batch) while another leading
+    dimension of its (features-last) output has exactly that size."""
+    if not layer.kind.features_last or output.dim() < 3:
+        return False
+    leading = output.shape[:-1]
+    counted = samples(layer, output, batch_dim)
+    return counted != model_batch and any(
+        size == model_batch for dim, size in enumerate(leading) if dim != batch_dim
+    )
 
 
 def grad_output_matrix(layer: Layer, grad: Tensor, dtype) -> Tensor:

@@ -298,6 +298,7 @@ class AdaFisher(KroneckerOptimizer):
         weight_decay: float = 0.0,
         decoupled_weight_decay: bool = False,
         loss_average: str | None = "batch",
+        batch_dim: int | None = None,
         factor_dtype: torch.dtype | None = None,
         stochastic_rounding: bool = False,
         grad_scaler: torch.amp.GradScaler | None = None,
@@ -316,6 +317,7 @@ class AdaFisher(KroneckerOptimizer):
             weight_decay=weight_decay,
             decoupled_weight_decay=decoupled_weight_decay,
             loss_average=loss_average,
+            batch_dim=batch_dim,
             factor_dtype=factor_dtype,
             stochastic_rounding=stochastic_rounding,
         )

@@ -42,6 +42,9 @@ from ..curvature.layers import (
     input_sum_squares,
     is_supported,
     loss_terms,
+    misplaced_batch,
+    samples,
+    sequence_first_modules,
 )
 from ..distributed import comm as dist_comm
 from ..distributed import norm_fisher, recipe
@@ -49,7 +52,7 @@ from ..distributed.ownership import layer_cost
 from ..distributed.synchronizer import DEFAULT_BUCKET_CAP_MB, Synchronizer
 from ..structures.base import accumulation_dtype, upcast
 from . import checkpoint, hyperparameters, summary
-from .fallback import adamw_update_
+from .fallback import adamw_update_, in_fallback
 from .finite import FactorUndo, FiniteCheck, tensors_of
 
 Schedule = float | Callable[[int], float]
@@ -178,6 +181,7 @@ class KroneckerOptimizer(Optimizer):
     _step_supports_amp_scaling = True  # GradScaler hands us grad_scale / found_inf
     common_defaults: ClassVar[dict[str, Any]] = dict(
         loss_average="batch",
+        batch_dim=None,
         factor_dtype=None,
         stochastic_rounding=False,
         fallback_lr=None,
@@ -216,12 +220,14 @@ class KroneckerOptimizer(Optimizer):
             params = list(model.parameters())
         super().__init__(params, {**self.common_defaults, **defaults, "step": 0})
         self._pending: dict[Layer, dict] = {}  # this step's normalised statistics
-        self._created: list[Tensor] = []  # states first created by this step's statistics
+        # layer states first created by this step's statistics: (param, previous state)
+        self._created: dict[Layer, list[tuple[Tensor, dict]]] = {}
         self._finite = FiniteCheck()
         self._scalars: dict[tuple[torch.device, torch.dtype], Tensor] = {}
         self._undo = FactorUndo()
         self._capture: CurvatureCapture | None = None
-        self._used_outside: set[int] = set()  # weights found used outside their modules
+        self._waiting_warned: set[int] = set()  # weights warned about waiting for statistics
+        self._batch_checked: set[int] = set()  # weights whose batch dimension was checked
         self._index_model()
         self._sync: Synchronizer | None = None
         if dist_comm.is_active(process_group):
@@ -285,6 +291,8 @@ class KroneckerOptimizer(Optimizer):
         norm_params = {id(p) for g in self.param_groups if g["norm_fisher"] for p in g["params"]}
         self._norm_layers = norm_fisher.find_norm_layers(model, lambda p: id(p) in norm_params)
         self._norm_set = set(self._norm_layers)
+        sequence_first = sequence_first_modules(model)  # their layers count dimension 1
+        self._sequence_first = {x for x in self._layers if id(x.module) in sequence_first}
         self._layer_group = {
             layer: self._param_group[id(layer.weight)] for layer in self._layers + self._norm_layers
         }
@@ -313,11 +321,11 @@ class KroneckerOptimizer(Optimizer):
     def _find_layers(self, model: nn.Module) -> list[Layer]:
         """One layer per trained weight of supported modules (several modules sharing a
         weight make one layer; an output head tied to an ``nn.Embedding`` is one layer of
-        the head's calls). Weights that other modules hold too, that a module uses without
-        its forward, or that were found used outside their modules train with the fallback
-        instead."""
+        the head's calls). Weights that other modules hold too, or that a module uses
+        without its forward, train with the fallback instead (and so does a layer until
+        its first statistics)."""
         trained = {id(p) for g in self.param_groups for p in g["params"]}
-        skipped = bypassed_modules(model) | self._used_outside
+        skipped = bypassed_modules(model)
         holders: dict[int, list[tuple[str, nn.Module]]] = {}
         for name, module in model.named_modules():
             for param in module._parameters.values():
@@ -327,6 +335,8 @@ class KroneckerOptimizer(Optimizer):
         for name, module in model.named_modules():
             weight = getattr(module, "weight", None)
             if not is_supported(module) or id(weight) not in trained:
+                continue
+            if weight.numel() == 0:  # no inputs or no outputs: nothing to precondition
                 continue
             if id(weight) in seen or id(module) in skipped or id(weight) in skipped:
                 continue
@@ -398,11 +408,53 @@ class KroneckerOptimizer(Optimizer):
         hyperparameters.check_step(self, scheduled=False)
 
     def _loss_terms(self, layer: Layer, output: Tensor) -> int:
-        """The loss terms one call's output covers (its batch, or batch x positions)."""
-        loss_average = self.group_of(layer)["loss_average"]
+        """The loss terms one call's output covers (its samples along the batch dimension,
+        or samples x positions).
+
+        With ``batch_dim=None`` a layer of a sequence-first transformer layer counts
+        dimension 1 and sets the capture's ``model_batch``; any other layer counts
+        dimension 0 and warns once when its output looks sequence-first against
+        ``model_batch`` (:func:`~singd_cuda.curvature.layers.misplaced_batch`)."""
+        group = self.group_of(layer)
+        loss_average = group["loss_average"]
         if layer in self._norm_set:
             return norm_fisher.num_terms(layer.module, output, loss_average)
-        return loss_terms(layer, output, loss_average)
+        batch_dim = group["batch_dim"]
+        if batch_dim is not None:
+            return loss_terms(layer, output, loss_average, batch_dim)
+        capture = self._capture
+        if layer in self._sequence_first:
+            batch = samples(layer, output, 1)
+            if capture.model_batch not in (None, batch) and -1 not in self._batch_checked:
+                self._batch_checked.add(-1)  # once per optimizer
+                warnings.warn(
+                    f"{type(self).__name__}: the model input's dimension 0 "
+                    f"({capture.model_batch}) is not the batch ({batch}) its sequence-first "
+                    "transformer layers see; the other layers count dimension 0. If the "
+                    "model's data is sequence-first, pass batch_dim=1 (README, 'What counts "
+                    "as curvature')",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            capture.model_batch = batch
+            return loss_terms(layer, output, loss_average, 1)
+        if capture.model_batch is not None and id(layer.weight) not in self._batch_checked:
+            self._batch_checked.add(id(layer.weight))  # the first call says it
+            if misplaced_batch(layer, output, 0, capture.model_batch):
+                self._warn_misplaced_batch(layer, output, capture.model_batch)
+        return loss_terms(layer, output, loss_average, 0)
+
+    def _warn_misplaced_batch(self, layer: Layer, output: Tensor, batch: int) -> None:
+        warnings.warn(
+            f"{type(self).__name__}: layer '{layer.name}' counts its samples along dimension "
+            f"0 of its output {tuple(output.shape)}, but the model's batch is {batch}, the "
+            "size of another dimension: if the layer's data is sequence-first (positions, "
+            "batch, features), pass batch_dim=1 (for the optimizer, or in a parameter group "
+            "of those layers); batch_dim=0 keeps dimension 0 without this check (README, "
+            "'What counts as curvature')",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
     def _accumulate_statistics(
         self,
@@ -412,9 +464,11 @@ class KroneckerOptimizer(Optimizer):
         weight: float,
         into: dict,
         with_input: bool = True,
-    ) -> None:
+    ) -> bool:
         """One call's statistics into ``into``: the input side (a carries 1/√N) weighted by
-        ``weight``, the output side from the raw output gradient (g without √L)."""
+        ``weight`` (left out when ``with_input`` is False: a later backward pass through
+        a call counted already), the output side from the raw output gradient (g without
+        √L). True: the call counts."""
         group = self.group_of(layer)
         dtype = accumulation_dtype(layer.weight.dtype)
         if layer in self._norm_set:
@@ -423,27 +477,55 @@ class KroneckerOptimizer(Optimizer):
             if loss_average is not None:  # raw: without the √L the statistic carries
                 F.mul_(1.0 / max(norm_fisher.num_terms(layer.module, grad_output, loss_average), 1))
             merge_statistics(into, {"out": F})
-            return
+            return True
         rule = self.rule_for(group)
-        if (
-            with_input
-            and rule.diagonal_statistics(group)
-            and not (self._sync is not None and self._sync.distribute_factors)
+        device = grad_output.device
+        if rule.diagonal_statistics(group) and not (
+            self._sync is not None and self._sync.distribute_factors
         ):
-            h = input_sum_squares(layer, layer_input, dtype).mul_(weight)
+            if with_input:
+                h = input_sum_squares(layer, layer_input, dtype).mul_(weight)
+            else:
+                h = torch.zeros(layer.dim_in, dtype=dtype, device=device)
             s = grad_output_sum_squares(layer, grad_output, dtype)
             rule.accumulate_diagonal(layer, group, self._layer_state(layer, group), into, h, s)
-            return
-        a = input_matrix(layer, layer_input, dtype).mul_(math.sqrt(weight)) if with_input else None
+            return True
+        if with_input:
+            a = input_matrix(layer, layer_input, dtype).mul_(math.sqrt(weight))
+        else:  # no rows: the rules add nothing to the input side
+            a = torch.zeros(0, layer.dim_in, dtype=dtype, device=device)
         g = grad_output_matrix(layer, grad_output, dtype)
         self._accumulate(layer, group, into, a, g)
+        return True
 
     def _layer_state(self, layer: Layer, group: dict) -> dict:
+        """The weight's state; at the layer's first statistics its factors are created
+        (replacing the fallback state its parameters had while waiting for them; a
+        skipped step, or statistics discarded before the step, restore that)."""
         state = self.state[layer.weight]
-        if not state:
+        if not state or in_fallback(state):
+            previous = [(layer.weight, dict(state))]
+            bias_state = self.state.get(layer.bias) if layer.bias is not None else None
+            if bias_state is not None and in_fallback(bias_state):
+                previous.append((layer.bias, dict(bias_state)))
+                bias_state.clear()
+            state.clear()
             self.rule_for(group).init_state(layer, group, state)
-            self._created.append(layer.weight)  # a skipped step removes it again
+            self._created[layer] = previous
         return state
+
+    def _started(self, layer: Layer) -> bool:
+        """Whether the layer is preconditioned: it has factors, or statistics now."""
+        state = self.state.get(layer.weight)
+        return layer in self._pending or (bool(state) and not in_fallback(state))
+
+    def _restore_created(self, layers: Iterable[Layer]) -> None:
+        for layer in layers:
+            for param, previous in self._created.pop(layer, ()):
+                if previous:
+                    self.state[param] = previous
+                else:
+                    self.state.pop(param, None)
 
     def _accumulate(self, layer: Layer, group: dict, pending: dict, a, g) -> None:
         rule = self.rule_for(group)
@@ -519,13 +601,20 @@ class KroneckerOptimizer(Optimizer):
                 "layer (remove_hooks() on an optimizer releases its layers)"
             )
         grad_scale, stats_scale, found_inf = self._loss_scale()
-        self._stop_preconditioning_weights_used_outside()
         self._pending = self._normalised_statistics(stats_scale)
         if self._sync is not None:  # average first, so that every rank decides alike
             grad_scale, found_inf = self._synchronise(grad_scale, found_inf)
+        # states created by statistics that were discarded before the step (zero_grad)
+        self._restore_created([layer for layer in self._created if layer not in self._pending])
         if found_inf is not None and bool(found_inf.item()):
             return self._skip("")  # the GradScaler skips and backs off; that is routine
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if any(p.grad is not None and p.grad.is_sparse for p in self._fallback_params):
+            raise RuntimeError(
+                f"{type(self).__name__} does not support sparse gradients (an nn.Embedding "
+                "or nn.EmbeddingBag with sparse=True): use sparse=False, or train those "
+                "parameters with torch.optim.SparseAdam and leave them out of params="
+            )
         if found_inf is None and not self._finite.all_finite(grads):
             return self._skip(
                 f"{type(self).__name__}: non-finite gradient, step skipped and statistics "
@@ -543,6 +632,10 @@ class KroneckerOptimizer(Optimizer):
             if any(p.grad is not None for p in layer.params)
             and (self._sync is None or self._sync.owns(layer))
         ]
+        waiting = [layer for layer in layers if not self._started(layer)]
+        if waiting:
+            self._warn_waiting(waiting)
+            layers = [layer for layer in layers if layer not in waiting]
         if not self._update_factors(layers):
             return self._skip(
                 f"{type(self).__name__}: a factor update produced non-finite values, step "
@@ -555,10 +648,11 @@ class KroneckerOptimizer(Optimizer):
         for layer in layers:
             self._layer_step(layer, grad_scale, fused)
         self._fused_apply(fused, grad_scale)
+        self._fallback_step(grad_scale, [p for layer in waiting for p in layer.params])
         if self._sync is not None:
             self._sync.share_parameters()
         self._norm_step(grad_scale)
-        self._fallback_step(grad_scale)
+        self._fallback_step(grad_scale, self._fallback_params)
         for group in self.param_groups:
             group["step"] += 1
         self._forget_statistics()
@@ -572,8 +666,7 @@ class KroneckerOptimizer(Optimizer):
 
     def _skip(self, reason: str) -> None:
         """Drop this step's statistics (and any state they created); change nothing else."""
-        for param in self._created:
-            self.state.pop(param, None)
+        self._restore_created(list(self._created))
         self._forget_statistics()
         if reason:
             if self.nonfinite == "raise":
@@ -595,7 +688,7 @@ class KroneckerOptimizer(Optimizer):
         pending = {}
         for layer, committed in self._capture.committed.items():
             statistics = committed.statistics
-            if committed.terms <= 0 or not statistics or layer in self._capture.excluded:
+            if committed.terms <= 0 or not statistics:
                 continue
             terms = committed.terms
             if "in" in statistics:  # norm layers have no input side
@@ -617,37 +710,27 @@ class KroneckerOptimizer(Optimizer):
             self._scalars[key] = torch.zeros((), dtype=key[1], device=key[0])
         statistic.mul_(self._scalars[key].fill_(factor))
 
-    def _stop_preconditioning_weights_used_outside(self) -> None:
-        """A layer whose weight received a gradient on a statistics step but no statistics
-        is used outside its module's forward (``F.linear(x, module.weight)``): its
-        curvature cannot be captured, so from now on the fallback trains it."""
-        committed, accumulated = self._capture.committed, self._capture.accumulated
-        lost = [
-            layer
-            for layer in self._layers
-            if layer in accumulated
-            and layer not in committed
-            and self._wants_statistics(layer)
-            and self._statistics_from_backward(self.group_of(layer))
-        ]
-        if not lost:
-            return
-        for layer in lost:
+    def _warn_waiting(self, layers: list[Layer]) -> None:
+        """Once per layer: a weight with a gradient but no statistics on a statistics step
+        that never had any (``F.linear(x, module.weight)`` outside the module's forward,
+        a head not yet called whose weight is in an L2 term) is trained by the fallback
+        until its first statistics."""
+        for layer in layers:
+            if layer.weight.grad is None or id(layer.weight) in self._waiting_warned:
+                continue  # a frozen weight's bias: no statistics are expected
+            if not self._wants_statistics(layer):
+                continue
+            if not self._statistics_from_backward(self.group_of(layer)):
+                continue
+            self._waiting_warned.add(id(layer.weight))
             warnings.warn(
                 f"{type(self).__name__}: the weight of layer '{layer.name}' received a "
-                "gradient but no curvature statistics (it is used outside its module's "
-                "forward, e.g. F.linear(x, module.weight)); the AdamW fallback trains it "
-                "from now on",
+                "gradient but no curvature statistics, and never had any: the AdamW "
+                "fallback trains it until its first statistics (a weight used outside its "
+                "module's forward, e.g. F.linear(x, module.weight), never gets any)",
                 RuntimeWarning,
                 stacklevel=4,
             )
-            self._used_outside.add(id(layer.weight))  # for later re-indexing
-            self._capture.excluded.add(layer)
-            for param in layer.params:
-                self.state.pop(param, None)
-            self._fallback_params.extend(layer.params)
-            del self._layer_group[layer]
-        self._layers = [layer for layer in self._layers if layer not in lost]
 
     def _statistics_from_backward(self, group: dict) -> bool:
         """Whether the group's statistics come from the backward of the loss (not, as for
@@ -768,10 +851,10 @@ class KroneckerOptimizer(Optimizer):
             ]
             sgd_update_(layer.params, directions, states, group, self._seed(group, layer.weight))
 
-    def _fallback_step(self, grad_scale: Tensor | None) -> None:
-        """AdamW on the fallback parameters that have a gradient, one write per group."""
+    def _fallback_step(self, grad_scale: Tensor | None, params: list[Tensor]) -> None:
+        """AdamW on those of ``params`` that have a gradient, one write per group."""
         by_group: dict[int, list[Tensor]] = {}
-        for p in self._fallback_params:
+        for p in params:
             if p.grad is not None:
                 by_group.setdefault(self._param_group[id(p)], []).append(p)
         for index, params in by_group.items():

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
 
+from .fallback import in_fallback
 from .hyperparameters import factor_keys, validate
 
 if TYPE_CHECKING:
@@ -27,8 +28,9 @@ KIND_KEY = "optimizer"  # state_dict()[KIND_KEY]: the optimizer class name
 # ("warm_started": SINGD's warm-start flag, absent when off and in older checkpoints)
 LAYER_BUFFERS = {"momentum_buffer": True, "exp_avg": True, "warm_started": False}
 # hyperparameters added since the first checkpoints: key -> the value such a checkpoint
-# behaves as (SINGD's warm start: an old run's factors have started already)
-ADDED_HYPERPARAMETERS = {"warm_start": True}
+# behaves as (SINGD's warm start: an old run's factors have started already; batch_dim:
+# automatic, as every run was before it existed)
+ADDED_HYPERPARAMETERS = {"warm_start": True, "batch_dim": None}
 NORM_STATE = {"momentum_buffer": True, "fisher_diag": True}
 FALLBACK_STATE = {"step": False, "exp_avg": True, "exp_avg_sq": True}
 
@@ -55,6 +57,7 @@ def check_fits(optimizer: KroneckerOptimizer, state_dict: dict[str, Any]) -> Non
     params = [p for group in optimizer.param_groups for p in group["params"]]
     names = {id(p): n for n, p in optimizer.model.named_parameters()}
     expected = _expected_states(optimizer)
+    layer_params = {id(p) for layer in optimizer.layers for p in layer.params}
     for index, state in state_dict["state"].items():
         if not isinstance(index, int) or not 0 <= index < len(params):
             raise CheckpointMismatchError(
@@ -64,6 +67,8 @@ def check_fits(optimizer: KroneckerOptimizer, state_dict: dict[str, Any]) -> Non
         param = params[index]
         where = f"parameter {index} ('{names.get(id(param), '?')}', shape {tuple(param.shape)})"
         required, optional = expected[id(param)]
+        if isinstance(state, dict) and in_fallback(state) and id(param) in layer_params:
+            required, optional = {}, FALLBACK_STATE  # waiting for its first statistics
         _check_state(where, state, param, required, optional, fix)
 
 

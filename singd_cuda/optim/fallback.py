@@ -13,6 +13,12 @@ from .. import ops
 from ..structures.base import upcast
 
 
+def in_fallback(state: dict) -> bool:
+    """Whether a parameter state is the fallback's (a preconditioned layer's parameters
+    hold it while the layer waits for its first curvature statistics)."""
+    return "exp_avg_sq" in state
+
+
 def adam_directions(
     params: list[Tensor],
     grads: list[Tensor],

@@ -79,6 +79,13 @@ def optional_period(key: str, value: Any) -> Any:
     raise ValueError(f"{key} must be None or an integer >= 1, got {value!r}")
 
 
+def optional_dimension(key: str, value: Any) -> Any:
+    """None or an integer >= 0 (a dimension index)."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        return value
+    raise ValueError(f"{key} must be None or an integer >= 0, got {value!r}")
+
+
 def one_of(options: tuple) -> Check:
     def check(key: str, value: Any) -> Any:
         if value in options and not isinstance(value, bool):
@@ -122,6 +129,7 @@ def common_checks() -> dict[str, Check]:
         fallback_eps=number(),
         fallback_weight_decay=number(),
         loss_average=one_of(LOSS_AVERAGES),
+        batch_dim=optional_dimension,
         factor_dtype=factor_dtype,
         stochastic_rounding=flag,
         norm_fisher=flag,

@@ -167,6 +167,7 @@ class KFAC(KroneckerOptimizer):
         inverse: str = "inverse",
         fisher: str = "empirical",
         loss_average: str | None = "batch",
+        batch_dim: int | None = None,
         factor_dtype: torch.dtype | None = None,
         stochastic_rounding: bool = False,
         norm_fisher: bool = False,
@@ -191,6 +192,7 @@ class KFAC(KroneckerOptimizer):
             inverse=inverse,
             fisher=fisher,
             loss_average=loss_average,
+            batch_dim=batch_dim,
             factor_dtype=factor_dtype,
             stochastic_rounding=stochastic_rounding,
             norm_fisher=norm_fisher,
@@ -200,7 +202,7 @@ class KFAC(KroneckerOptimizer):
         )
         defaults.update(checked_fallback(fallback))
         self._rule = KfacRule()
-        self._ggn_column: int | None = None  # the output column a GGN capture is on
+        self._capturing_ggn = False  # in the backward passes of capture_ggn
         super().__init__(
             model,
             params,
@@ -227,14 +229,16 @@ class KFAC(KroneckerOptimizer):
     def rule_for(self, group: dict) -> LayerRule:
         return self._rule
 
-    def _accumulate_statistics(self, layer, layer_input, grad_output, weight, into) -> None:
-        # with fisher="ggn", only the backward passes of capture_ggn count
-        capturing = self._ggn_column is not None
-        if (self.group_of(layer)["fisher"] == "ggn") == capturing:
-            with_input = not capturing or self._ggn_column == 0
-            super()._accumulate_statistics(
-                layer, layer_input, grad_output, weight, into, with_input=with_input
-            )
+    def _accumulate_statistics(
+        self, layer, layer_input, grad_output, weight, into, with_input=True
+    ) -> bool:
+        # with fisher="ggn", only the backward passes of capture_ggn count; they are
+        # several passes of one forward: the input side comes from the first only
+        if (self.group_of(layer)["fisher"] == "ggn") != self._capturing_ggn:
+            return False
+        return super()._accumulate_statistics(
+            layer, layer_input, grad_output, weight, into, with_input=with_input
+        )
 
     def _statistics_from_backward(self, group: dict) -> bool:
         return group["fisher"] != "ggn"
@@ -251,8 +255,11 @@ class KFAC(KroneckerOptimizer):
         if loss not in GGN_LOSSES:
             raise ValueError(f"loss must be one of {GGN_LOSSES}, got {loss!r}")
         flat = output.reshape(-1, output.shape[-1])
-        terms = {"batch": output.shape[0], "batch+sequence": flat.shape[0], None: 1}
-        num_terms = terms[self.param_groups[0]["loss_average"]]
+        group = self.param_groups[0]
+        batch_dim = group["batch_dim"] or 0
+        batch = output.shape[batch_dim if output.dim() - 1 > batch_dim else 0]
+        terms = {"batch": batch, "batch+sequence": flat.shape[0], None: 1}
+        num_terms = terms[group["loss_average"]]
         with torch.no_grad():
             if loss == "mse":
                 root = torch.eye(flat.shape[1], dtype=flat.dtype, device=flat.device)
@@ -262,13 +269,13 @@ class KFAC(KroneckerOptimizer):
                 p = torch.softmax(flat.to(accumulation_dtype(flat.dtype)), -1).to(flat.dtype)
                 root = torch.diag_embed(p.sqrt()) - p.unsqueeze(2) * p.sqrt().unsqueeze(1)
         params = [p for layer in self._layers for p in layer.params]
+        self._capturing_ggn = True
         try:
             with self._capture.direct():  # these passes accumulate no gradient, by design
                 for column in range(flat.shape[1]):
-                    self._ggn_column = column
                     vector = (root[:, :, column] / num_terms).reshape(output.shape)
                     torch.autograd.grad(
                         output, params, vector, retain_graph=True, allow_unused=True
                     )
         finally:
-            self._ggn_column = None
+            self._capturing_ggn = False

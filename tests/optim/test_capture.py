@@ -57,9 +57,10 @@ class SharedLayer(nn.Module):
         return self.out(torch.tanh(z2))
 
 
-def test_module_used_twice_sums_its_statistics():
-    """Both uses add to aᵀa and gᵀg (DESIGN.md section 2); checked against the dense
-    formulas on the first step (K = C = I, m = 0, no momentum yet)."""
+def test_module_used_twice_has_the_statistics_of_one_call_on_both_inputs():
+    """Both uses count, as one call on their joined inputs (20 samples): aᵀa averages
+    the two uses' rows, gᵀg sums both uses' output gradients scaled by 20; checked
+    against the dense formulas on the first step (K = C = I, m = 0, no momentum yet)."""
     model = SharedLayer().double()
     twin = clone_model(model)  # no hooks: the expected values come from here
     hp = dict(lr=0.1, damping=1e-3, alpha1=0.5, lr_cov=0.1, weight_decay=1e-2)
@@ -73,9 +74,9 @@ def test_module_used_twice_sums_its_statistics():
     g1, g2 = torch.autograd.grad(loss_fn(twin(x, keep), y), keep)
     z1, _ = keep
     inputs = [torch.tanh(twin.inp(x)), torch.tanh(z1)]
-    a = [torch.cat([h, torch.ones(10, 1, dtype=h.dtype)], 1) / math.sqrt(10) for h in inputs]
+    a = [torch.cat([h, torch.ones(10, 1, dtype=h.dtype)], 1) / math.sqrt(20) for h in inputs]
     aTa = sum(ai.T @ ai for ai in a).detach()
-    gTg = sum((gi * math.sqrt(10)).T @ (gi * math.sqrt(10)) for gi in (g1, g2))
+    gTg = sum((gi * math.sqrt(20)).T @ (gi * math.sqrt(20)) for gi in (g1, g2))
     eye8, eye9 = torch.eye(8, dtype=torch.float64), torch.eye(9, dtype=torch.float64)
     K, C, _, _ = factor_update(
         eye9, eye8, 0 * eye9, 0 * eye8, aTa, gTg, kfac_like=False, **{

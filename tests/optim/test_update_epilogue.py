@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 import singd_cuda.ops as ops
 from singd_cuda import KFAC, SINGD, AdaFisher
@@ -103,8 +104,9 @@ ULP_BELOW_ONE = 2.0**-8  # bfloat16 spacing in [0.5, 1)
 def test_stochastic_rounding_is_unbiased_through_the_optimizer(name):
     """Steps of a tenth of an ulp: round-to-nearest never moves a bf16 parameter from 1,
     stochastic rounding moves it by the sum of the steps on average. The gradient is
-    set by hand (no statistics), so the preconditioner is the identity and the
-    fallback's AdamW direction is 1/(1 + eps)."""
+    set by hand (no statistics) after the layer's factors were created (a layer without
+    factors or statistics would train with the fallback), so the preconditioner is the
+    identity and the fallback's AdamW direction is 1/(1 + eps)."""
     steps, lr = 20, 0.1 * ULP_BELOW_ONE
     moved = {}
     for rounding in (False, True):
@@ -114,6 +116,9 @@ def test_stochastic_rounding_is_unbiased_through_the_optimizer(name):
         cls = KFAC if name == "kfac" else SINGD
         opt = cls(model, lr=lr, momentum=0.0, T=1, stochastic_rounding=rounding)
         param = model.free if name == "fallback" else model.weight
+        (layer,) = opt.layers
+        group = opt.group_of(layer)
+        opt.rule_for(group).init_state(layer, group, opt.state[layer.weight])
         for _ in range(steps):
             for p in model.parameters():
                 p.grad = torch.ones_like(p)
@@ -140,6 +145,15 @@ def test_non_viewable_parameters_take_the_fused_pass(name, monkeypatch):
     dense = copy.deepcopy(strided).to(memory_format=torch.contiguous_format)
     assert not strided[0].weight.is_contiguous()
     opts = [cls(model, momentum=0.9, **kwargs) for model in (strided, dense)]
+    gen = torch.Generator().manual_seed(3)
+    # a real step starts the factors (a layer without statistics trains with the fallback);
+    # the twin takes over its state (contiguous), as the two convolutions round apart
+    strided(torch.randn(2, 3, 8, 8, generator=gen)).square().sum().backward()
+    opts[0].step()
+    dense.load_state_dict(strided.state_dict())
+    opts[1].load_state_dict(opts[0].state_dict())
+    for state in opts[1].state.values():
+        state.update(tree_map(lambda t: t.contiguous() if torch.is_tensor(t) else t, state))
     calls = []
     original = ops.diag_precond_step_
 
@@ -148,7 +162,6 @@ def test_non_viewable_parameters_take_the_fused_pass(name, monkeypatch):
         return original(params, *args, **kw)
 
     monkeypatch.setattr(ops, "diag_precond_step_", counting)
-    gen = torch.Generator().manual_seed(3)
     for _ in range(3):  # gradients by hand: no statistics, identical inputs to the op
         for p, q in zip(strided.parameters(), dense.parameters(), strict=True):
             grad = torch.randn(p.shape, generator=gen)
