@@ -128,6 +128,9 @@ class KFAC(KroneckerOptimizer):
         loss_average: ``"batch"`` (default; the loss is a mean over the batch),
             ``"batch+sequence"`` (a mean over batch x sequence) or None (a sum); sets L in
             the √L scaling of the output gradients.
+        batch_dim: the dimension of a layer's output that indexes samples (None, default:
+            dimension 0, or 1 inside PyTorch's sequence-first transformer layers, with a
+            check that warns once on a mismatch; 1 for sequence-first (T, B, C) code).
         factor_dtype: storage dtype of the factors (None, default: the parameter dtype);
             float64, float32, bfloat16 or float16. Arithmetic accumulates in float32.
         stochastic_rounding: round bf16 parameter writes stochastically (default False).

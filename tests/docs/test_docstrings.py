@@ -112,3 +112,15 @@ def test_the_check_sees_the_optimizers():
         "singd_cuda.ops.sgd_epilogue_",
     } <= names
     assert any(q.endswith("KroneckerOptimizer.step") for q, _ in MEMBERS)
+
+
+@pytest.mark.parametrize("optimizer", [singd_cuda.SINGD, singd_cuda.AdaFisher, singd_cuda.KFAC])
+def test_every_constructor_argument_is_documented(optimizer):
+    """Each argument of an optimizer's constructor has its entry (``name:``) in the class
+    docstring, which the optimizer's API page renders."""
+    doc = inspect.getdoc(optimizer)
+    parameters = list(inspect.signature(optimizer.__init__).parameters.values())[1:]  # self
+    entries = f"\n{doc}".replace("\n    ", "\n")
+    names = [("**" if p.kind is p.VAR_KEYWORD else "") + p.name for p in parameters]
+    missing = [name for name in names if f"\n{name}:" not in entries]
+    assert not missing, f"{optimizer.__name__} documents no {missing}"
