@@ -1,0 +1,109 @@
+"""FSDP2 runs (``fully_shard`` on every Linear and on the root) against one process.
+
+The MLP's layers have 7, 5 and 3 output rows: on 2 ranks the shards are uneven, on 4
+the last rank holds no row of fc2 and fc3 (torch.chunk's sharding). Rank r of N trains
+on samples [r·B/N, (r+1)·B/N) of each batch with a mean loss (FSDP averages the
+gradients over the ranks), a single process on all of them with the plain model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from singd_cuda import KFAC, SINGD, AdaFisher
+
+BATCH, STEPS = 8, 6
+F64 = torch.float64
+OPTIMIZERS = {"singd": SINGD, "kfac": KFAC, "adafisher": AdaFisher}
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 7)
+        self.norm = nn.LayerNorm(7)
+        self.fc2 = nn.Linear(7, 5)
+        self.fc3 = nn.Linear(5, 3, bias=False)
+
+    def forward(self, x):
+        h = torch.tanh(self.norm(self.fc1(x)))
+        return self.fc3(torch.tanh(self.fc2(h)))
+
+
+def make_model(dtype=torch.float32, seed: int = 0) -> MLP:
+    torch.manual_seed(seed)
+    return MLP().to(dtype)
+
+
+def shard_model(model: nn.Module, mesh=None) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def batches(dtype, steps: int = STEPS, seed: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        (
+            torch.randn(BATCH, 6, generator=gen, dtype=dtype),
+            torch.randint(0, 3, (BATCH,), generator=gen),
+        )
+        for _ in range(steps)
+    ]
+
+
+def full_params(model: nn.Module) -> list[torch.Tensor]:
+    """Every parameter as a whole tensor (DTensors gathered: a collective)."""
+    out = []
+    for p in model.parameters():
+        value = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out.append(value.detach().clone())
+    return out
+
+
+def train(model, opt, data, rank: int, world: int, start: int = 0) -> None:
+    size = BATCH // world
+    for x, y in data[start:]:
+        x, y = x[rank * size : (rank + 1) * size], y[rank * size : (rank + 1) * size]
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def run(config: dict, rank: int = 0, world: int = 1) -> dict[str, Any]:
+    """Train ``STEPS`` steps (sharded when world > 1 or ``config["shard"]``)."""
+    dtype = config.get("dtype", torch.float32)
+    model = make_model(dtype)
+    if world > 1 or config.get("shard"):
+        shard_model(model)
+    opt = OPTIMIZERS[config["optimizer"]](model, **config["kwargs"])
+    train(model, opt, batches(dtype), rank, world)
+    factor_bytes = sum(
+        t.numel() * t.element_size()
+        for layer in opt.layers
+        for key, value in opt.state.get(layer.weight, {}).items()
+        if key != "momentum_buffer"
+        for t in _tensors(value)
+    )
+    return {"params": full_params(model), "factor_bytes": factor_bytes}
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+def run_many(rank: int, world: int, jobs: list[dict]) -> list[dict]:
+    """Entry point for the launcher: every job in one process group."""
+    return [run(config, rank, world) for config in jobs]
