@@ -114,7 +114,7 @@ def shard_of(layer: Layer) -> RowShard:
         params[1] if len(params) > 1 else None,
         layer.modules,
         rows=row_slice(layer.weight),
-        full_dim_in=layer.dim_in,
+        full_dim_in=0 if layer.kind is None else layer.dim_in,  # norm layers have no kind
     )
 
 

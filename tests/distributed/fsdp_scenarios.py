@@ -1,7 +1,8 @@
 """FSDP2 runs (``fully_shard`` on every Linear and on the root) against one process.
 
-The MLP's layers have 7, 5 and 3 output rows: on 2 ranks the shards are uneven, on 4
-the last rank holds no row of fc2 and fc3 (torch.chunk's sharding). Rank r of N trains
+The MLP's layers have 7, 5, 3 and 1 output rows: on 2 ranks the shards are uneven and
+rank 1 holds no row of ``shift``; on 4 the last rank holds no row of fc2, fc3 and
+``shift`` (torch.chunk's sharding). Rank r of N trains
 on samples [r·B/N, (r+1)·B/N) of each batch with a mean loss (FSDP averages the
 gradients over the ranks), a single process on all of them with the plain model.
 """
@@ -28,10 +29,11 @@ class MLP(nn.Module):
         self.norm = nn.LayerNorm(7)
         self.fc2 = nn.Linear(7, 5)
         self.fc3 = nn.Linear(5, 3, bias=False)
+        self.shift = nn.Linear(5, 1)  # fewer rows than ranks
 
     def forward(self, x):
-        h = torch.tanh(self.norm(self.fc1(x)))
-        return self.fc3(torch.tanh(self.fc2(h)))
+        h = torch.tanh(self.fc2(torch.tanh(self.norm(self.fc1(x)))))
+        return self.fc3(h) + self.shift(h)
 
 
 def make_model(dtype=torch.float32, seed: int = 0) -> MLP:
@@ -83,14 +85,24 @@ def run(config: dict, rank: int = 0, world: int = 1) -> dict[str, Any]:
     dtype = config.get("dtype", torch.float32)
     model = make_model(dtype)
     if world > 1 or config.get("shard"):
-        shard_model(model)
-    opt = OPTIMIZERS[config["optimizer"]](model, **config["kwargs"])
-    train(model, opt, batches(dtype), rank, world)
+        mesh = None
+        if "mesh" in config:  # HSDP: (replicas, shards)
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", config["mesh"], mesh_dim_names=("replicate", "shard"))
+        shard_model(model, mesh)
+    try:
+        opt = OPTIMIZERS[config["optimizer"]](model, **config["kwargs"])
+        train(model, opt, batches(dtype), rank, world)
+    except NotImplementedError as error:
+        if not config.get("expect_error"):
+            raise
+        return {"error": str(error)}
     factor_bytes = sum(
         t.numel() * t.element_size()
         for layer in opt.layers
         for key, value in opt.state.get(layer.weight, {}).items()
-        if key != "momentum_buffer"
+        if key not in ("momentum_buffer", "exp_avg")  # shaped like the (local) parameter
         for t in _tensors(value)
     )
     return {"params": full_params(model), "factor_bytes": factor_bytes}
