@@ -82,6 +82,54 @@ def row_slice(param: DTensor) -> slice:
     return slice(start, stop)
 
 
+# state entries shaped like the parameter: kept as this rank's rows, DTensors in state_dicts
+SHARDED_KEYS = ("momentum_buffer", "exp_avg", "exp_avg_sq")
+
+
+def sharded_state(param: Tensor, state: dict) -> dict:
+    """``state`` with its local-shard entries as DTensors laid out like ``param`` (views
+    of the same storage), as ``torch.distributed.checkpoint`` expects them."""
+    if not is_sharded(param):
+        return state
+    out = dict(state)
+    for key in SHARDED_KEYS:
+        value = state.get(key)
+        if isinstance(value, Tensor) and not is_sharded(value):
+            out[key] = DTensor.from_local(
+                value,
+                param.device_mesh,
+                param.placements,
+                run_check=False,
+                shape=param.shape,
+                stride=param.stride(),
+            )
+    return out
+
+
+def localise_state_(param: Tensor, state: dict) -> None:
+    """Inverse of :func:`sharded_state`, in place: DTensor entries become this rank's
+    local tensors, whole ones (a full checkpoint) are cut to this rank's rows."""
+    if not is_sharded(param):
+        return
+    for key in SHARDED_KEYS:
+        value = state.get(key)
+        if is_sharded(value):
+            if tuple(value.placements) != tuple(param.placements):
+                value = value.redistribute(param.device_mesh, param.placements)
+            state[key] = value.to_local()
+        elif isinstance(value, Tensor) and value.shape == param.shape:
+            state[key] = value[row_slice(param)].clone()
+
+
+def full_state(state: Any) -> Any:
+    """A state with every DTensor gathered whole (a collective per DTensor)."""
+    if is_sharded(state):
+        return state.full_tensor()
+    if isinstance(state, dict):
+        return {key: full_state(value) for key, value in state.items()}
+    return state
+
+
 @dataclass(eq=False)
 class RowShard(Layer):
     """A layer over this rank's rows: ``weight``/``bias`` are plain tensors sharing the
@@ -166,6 +214,7 @@ class RowShards:
     local = staticmethod(local)
     view = staticmethod(shard_of)
     entry = ShardStep
+    sharded_state = staticmethod(sharded_state)
 
     def owner_in_shard_group(self, owner: int) -> int:
         """The shard-group rank of a rank of the optimizer's process group."""
@@ -182,10 +231,14 @@ class RowShards:
         gathered, by_owner = [], []
         for e in entries:
             shard = shards[id(e.layer)]
+            for param, state in zip(shard.params, e.states, strict=True):
+                if param.grad is not None:
+                    for key in e.rule.shard_buffers(e.group):
+                        if key not in state:
+                            state[key] = torch.zeros_like(param)
             if e.rule.row_local(e.group):
-                if not shard.empty:
-                    step = e.group["step"]
-                    e.rule.apply_shard(e.layer, shard, e.group, e.states, inv_scale, step, e.seed)
+                step = e.group["step"]
+                e.rule.apply_shard(e.layer, shard, e.group, e.states, inv_scale, step, e.seed)
             elif e.owner is None:
                 gathered.append(e)
             else:

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from ..curvature.layers import Layer
 from ..structures.base import accumulation_dtype
 from . import comm
-from .fsdp import RowShards
+from .fsdp import SHARDED_KEYS, RowShards, full_state, localise_state_
 from .ownership import assign_owners
 from .packing import (
     Segment,
@@ -232,8 +232,25 @@ class Synchronizer:
             return []
         return [p for layer in self._layers if not self.owns(layer) for p in layer.params]
 
+    def keep_own_state(self, state: dict[Tensor, dict]) -> None:
+        """After a load: drop the factors of layers other ranks own and, under FSDP2,
+        keep only this rank's rows of the entries shaped like the parameters."""
+        if self.shards is None:
+            for param in self.foreign_params():
+                state.pop(param, None)
+            return
+        for param, param_state in state.items():
+            localise_state_(param, param_state)
+        for param in self.foreign_params():
+            if param in state:
+                state[param] = {k: v for k, v in state[param].items() if k in SHARDED_KEYS}
+
     def full_state_dict(self, local: dict[str, Any], index_of: dict[int, int]) -> dict[str, Any]:
-        """Merge every rank's own layer states into ``local`` (this rank's state_dict)."""
+        """Merge every rank's own layer states into ``local`` (this rank's state_dict);
+        under FSDP2 its sharded entries are gathered whole first."""
+        if self.shards is not None:  # the same DTensors, in the same order, on every rank
+            states = local["state"]
+            local = {**local, "state": {i: full_state(states[i]) for i in sorted(states)}}
         if not self.distribute_factors:
             return local
         owned = {index_of[pid] for pid in self.owned_param_ids()}

@@ -252,9 +252,14 @@ class AdaFisherRule(LayerRule):
     def row_local(self, group: dict) -> bool:
         return True
 
+    def shard_buffers(self, group: dict) -> tuple[str, ...]:
+        return ("exp_avg",)
+
     def apply_shard(self, layer, shard, group, states, inv_scale, step: int, seed: int):
         """This rank's rows: the same op with their slice of s′ (h′ whole)."""
         s, h = self._counted_scales(layer, states[0])
+        if shard.rows.start == shard.rows.stop:
+            return  # no rows here; the count above keeps every rank's state alike
         batch = DiagonalBatch()
         batch.add(shard, states, s[shard.rows], h, "exp_avg")
         self._step_batch(batch, group, inv_scale, step, states[0]["step"], seed)

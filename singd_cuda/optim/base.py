@@ -203,12 +203,20 @@ class LayerRule(ABC):
     ) -> None:
         """A :meth:`row_local` rule's update of this rank's rows (``shard``, gradients
         still scaled by 1/``inv_scale``); the default preconditions with
-        :meth:`natural_rows` and takes a momentum SGD step (:meth:`apply_direction`)."""
+        :meth:`natural_rows` and takes a momentum SGD step (:meth:`apply_direction`).
+        Called for a shard without rows too (``shard.rows`` empty), to count the step."""
+        if shard.rows.start == shard.rows.stop:
+            return
         G = gradient_matrix(shard, accumulation_dtype(layer.weight.dtype))
         if inv_scale is not None:
             G = G * inv_scale.to(G.device, G.dtype)
         natural = self.natural_rows(layer, group, states[0], G, shard.rows, step)
         self.apply_direction(shard, group, states, natural, seed)
+
+    def shard_buffers(self, group: dict) -> tuple[str, ...]:
+        """The state entries shaped like each parameter that a step creates (created as
+        zeros for every shard up front, so that every rank holds them, rows or not)."""
+        return ("momentum_buffer",) if group["momentum"] != 0.0 else ()
 
     def apply_direction(
         self, shard: Layer, group: dict, states: list[dict], natural: Tensor, seed: int
@@ -883,7 +891,14 @@ class KroneckerOptimizer(Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """torch.optim's state dict, plus the optimizer kind under ``"optimizer"`` (its
         class name, so that :meth:`load_state_dict` can tell another optimizer's)."""
-        return {**super().state_dict(), checkpoint.KIND_KEY: type(self).__name__}
+        state_dict = {**super().state_dict(), checkpoint.KIND_KEY: type(self).__name__}
+        shards = self._shards()
+        if shards is not None:  # FSDP2: the shards' buffers as DTensors (for DCP)
+            params = [p for g in self.param_groups for p in g["params"]]
+            state_dict["state"] = {
+                i: shards.sharded_state(params[i], s) for i, s in state_dict["state"].items()
+            }
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state; unlike torch.optim, every state tensor keeps its own dtype.
@@ -891,6 +906,7 @@ class KroneckerOptimizer(Optimizer):
         Raises ValueError, before changing anything, when the checkpoint does not fit
         (another optimizer, model, structure; :mod:`.checkpoint`).
         """
+        state_dict = checkpoint.by_index(state_dict)  # DCP's set_optimizer_state_dict: names
         checkpoint.check_fits(self, state_dict)
         groups = state_dict["param_groups"]
         state_dict = {
@@ -910,9 +926,8 @@ class KroneckerOptimizer(Optimizer):
             self.state[param] = _keep_dtypes(
                 saved_value=param_state, loaded=self.state[param], device=param.device
             )
-        if self._sync is not None:  # distribute_factors: keep only this rank's layers
-            for param in self._sync.foreign_params():
-                self.state.pop(param, None)
+        if self._sync is not None:  # distribute_factors: this rank's layers; FSDP2: rows
+            self._sync.keep_own_state(self.state)
 
     def full_state_dict(self) -> dict[str, Any]:
         """The whole optimizer state, on every rank (a collective: call it on all ranks).

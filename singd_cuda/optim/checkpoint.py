@@ -93,6 +93,36 @@ def _check_group(index: int, saved: dict, group: dict, optimizer, fix: str) -> N
         )
 
 
+def by_index(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` keyed by parameter index, as :meth:`Optimizer.state_dict` keys it.
+
+    ``torch.distributed.checkpoint.state_dict.set_optimizer_state_dict`` hands over its
+    state keyed by parameter names (the groups' ``params`` list the names in order);
+    torch.optim maps them by position, and so does this.
+    """
+    groups = state_dict["param_groups"]
+    saved = [key for group in groups for key in group["params"]]
+    if all(isinstance(key, int) for key in saved):
+        return state_dict
+    index = {key: i for i, key in enumerate(saved)}
+    unknown = sorted(str(k) for k in state_dict["state"] if k not in index)
+    if unknown:
+        raise CheckpointMismatchError(
+            f"the checkpoint has state for {unknown[:3]}, which its param_groups do not list"
+        )
+    offsets = [0]
+    for group in groups:
+        offsets.append(offsets[-1] + len(group["params"]))
+    return {
+        **state_dict,
+        "state": {index[key]: value for key, value in state_dict["state"].items()},
+        "param_groups": [
+            {**group, "params": list(range(start, start + len(group["params"])))}
+            for group, start in zip(groups, offsets, strict=False)
+        ],
+    }
+
+
 def with_added_hyperparameters(saved: dict, group: dict) -> dict:
     """A checkpoint's group with the :data:`ADDED_HYPERPARAMETERS` it lacks and this
     optimizer's ``group`` has, at the values such a checkpoint behaves as."""

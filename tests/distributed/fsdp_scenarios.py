@@ -119,3 +119,72 @@ def _tensors(value):
 def run_many(rank: int, world: int, jobs: list[dict]) -> list[dict]:
     """Entry point for the launcher: every job in one process group."""
     return [run(config, rank, world) for config in jobs]
+
+
+def build(config: dict, world: int):
+    dtype = config.get("dtype", torch.float32)
+    model = make_model(dtype, seed=config.get("seed", 0))
+    if world > 1:
+        shard_model(model)
+    return model, OPTIMIZERS[config["optimizer"]](model, **config["kwargs"])
+
+
+def save_checkpoint(config: dict, rank: int, world: int) -> dict[str, Any]:
+    """Train half the steps, save model and optimizer with DCP (sharded) and, from rank
+    0, the full optimizer state of ``get_optimizer_state_dict(full_state_dict=True)``
+    and of ``opt.full_state_dict()``; then train on (the uninterrupted run)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    data = batches(config.get("dtype", torch.float32))
+    model, opt = build(config, world)
+    train(model, opt, data[: STEPS // 2], rank, world)
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.save(state, checkpoint_id=config["path"])
+    full_options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full = get_optimizer_state_dict(model, opt, options=full_options)
+    own_full = opt.full_state_dict()
+    if rank == 0:
+        torch.save({"torch": full, "own": own_full}, f"{config['path']}/full.pt")
+    train(model, opt, data, rank, world, start=STEPS // 2)
+    return {"params": full_params(model)}
+
+
+def load_checkpoint(config: dict, rank: int, world: int) -> dict[str, Any]:
+    """A fresh model and optimizer (another seed) restored as ``config["load"]`` says
+    ("dcp", "torch-full" or "own-full"), then the second half of the steps."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    data = batches(config.get("dtype", torch.float32))
+    model, opt = build({**config, "seed": 123}, world)
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=config["path"])
+    set_model_state_dict(model, state["model"])
+    if config["load"] == "dcp":
+        set_optimizer_state_dict(model, opt, state["optim"])
+    else:
+        full = torch.load(f"{config['path']}/full.pt", weights_only=True)
+        if config["load"] == "torch-full":
+            options = StateDictOptions(full_state_dict=True)
+            set_optimizer_state_dict(model, opt, full["torch"], options=options)
+        else:
+            opt.load_full_state_dict(full["own"])
+    train(model, opt, data, rank, world, start=STEPS // 2)
+    return {"params": full_params(model)}
+
+
+def run_checkpoint_jobs(rank: int, world: int, jobs: list[tuple[str, dict]]) -> list[dict]:
+    """Entry point for the launcher: ("save" | "load", config) jobs in order."""
+    kinds = {"save": save_checkpoint, "load": load_checkpoint}
+    return [kinds[kind](config, rank, world) for kind, config in jobs]
