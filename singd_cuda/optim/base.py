@@ -907,7 +907,11 @@ class KroneckerOptimizer(Optimizer):
         (another optimizer, model, structure; :mod:`.checkpoint`).
         """
         state_dict = checkpoint.by_index(state_dict)  # DCP's set_optimizer_state_dict: names
-        checkpoint.check_fits(self, state_dict)
+        foreign = set()
+        if self._shards() is not None:  # FSDP2: a rank holds the rows of layers it does not own
+            foreign = {id(p) for p in self._sync.foreign_params()}
+        checkpoint.check_fits(self, state_dict, buffers_only=foreign)
+        self._check_norm_fisher_kept(state_dict)
         groups = state_dict["param_groups"]
         state_dict = {
             **state_dict,
@@ -928,6 +932,24 @@ class KroneckerOptimizer(Optimizer):
             )
         if self._sync is not None:  # distribute_factors: this rank's layers; FSDP2: rows
             self._sync.keep_own_state(self.state)
+
+    def _check_norm_fisher_kept(self, state_dict: dict[str, Any]) -> None:
+        """A checkpoint past its first step holds the norm Fisher of every norm layer
+        that has state; DCP's sharded load fills only the entries a fresh optimizer's
+        state_dict has, which lack it."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        index = {id(p): i for i, p in enumerate(params)}
+        states = state_dict["state"]
+        for layer in self._norm_layers:
+            state = states.get(index[id(layer.weight)])
+            if state and "fisher_diag" not in state and "momentum_buffer" in state:
+                raise checkpoint.CheckpointMismatchError(
+                    f"the state of norm layer '{layer.name}' lacks its norm Fisher "
+                    "('fisher_diag'): torch.distributed.checkpoint's sharded load fills only "
+                    "the entries of a fresh optimizer; load norm_fisher=True optimizers from "
+                    "a full state (get_optimizer_state_dict(..., full_state_dict=True) or "
+                    "opt.full_state_dict())"
+                )
 
     def full_state_dict(self) -> dict[str, Any]:
         """The whole optimizer state, on every rank (a collective: call it on all ranks).

@@ -37,8 +37,14 @@ class CheckpointMismatchError(ValueError):
     """The checkpoint does not fit this optimizer (a ValueError)."""
 
 
-def check_fits(optimizer: KroneckerOptimizer, state_dict: dict[str, Any]) -> None:
-    """Raise :class:`CheckpointMismatchError` (a ValueError) unless ``state_dict`` fits."""
+def check_fits(
+    optimizer: KroneckerOptimizer, state_dict: dict[str, Any], buffers_only: set[int] = frozenset()
+) -> None:
+    """Raise :class:`CheckpointMismatchError` (a ValueError) unless ``state_dict`` fits.
+
+    ``buffers_only``: ids of parameters whose state may hold their buffers without the
+    layer's factors (FSDP2 with ``distribute_factors``: another rank owns the layer).
+    """
     name = type(optimizer).__name__
     fix = f"load a checkpoint saved by the same {name} configuration and model"
     kind = state_dict.get(KIND_KEY)
@@ -64,6 +70,8 @@ def check_fits(optimizer: KroneckerOptimizer, state_dict: dict[str, Any]) -> Non
         param = params[index]
         where = f"parameter {index} ('{names.get(id(param), '?')}', shape {tuple(param.shape)})"
         required, optional = expected[id(param)]
+        if id(param) in buffers_only and isinstance(state, dict) and set(state) <= set(optional):
+            required = {}
         _check_state(where, state, param, required, optional, fix)
 
 

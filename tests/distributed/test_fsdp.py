@@ -158,3 +158,80 @@ def test_reference_runs_are_not_trivial():
     moved = max_diff(start, reference("singd-dense")["params"])
     assert moved > 1e-3
     assert torch.isfinite(torch.tensor(moved))
+
+
+# ------------------------------------------------------------------ checkpoints
+CHECKPOINTED = {
+    "singd": dict(optimizer="singd", dtype=sc.F64, kwargs=_singd("dense")),
+    "singd-owned": dict(
+        optimizer="singd", dtype=sc.F64, kwargs=_singd("dense", distribute_factors=True)
+    ),
+    "kfac-owned": dict(
+        optimizer="kfac", dtype=sc.F64, kwargs=dict(lr=0.05, T=2, distribute_factors=True)
+    ),
+    "adafisher": dict(optimizer="adafisher", dtype=sc.F64, kwargs=dict(lr=0.05, T=2)),
+    "singd-norm-fisher": dict(
+        optimizer="singd", dtype=sc.F64, kwargs=_singd("block_diagonal:4", norm_fisher=True)
+    ),
+}
+
+
+def _loads(paths: dict[str, str]) -> list[tuple[str, dict]]:
+    """Every way back: DCP's sharded load, torch's full state dict (not under ownership:
+    the ranks hold different keys there), and opt.full_state_dict()."""
+    jobs = []
+    for key, config in CHECKPOINTED.items():
+        owned = config["kwargs"].get("distribute_factors", False)
+        for how in ("dcp", "own-full") if owned else ("dcp", "torch-full", "own-full"):
+            expect_error = how == "dcp" and config["kwargs"].get("norm_fisher", False)
+            load = {**config, "path": paths[key], "load": how, "expect_error": expect_error}
+            jobs.append((f"{key}:{how}", ("load", load)))
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> tuple[dict[str, str], dict[str, list], dict[str, list]]:
+    """Save on 2 ranks (then continue: the uninterrupted run), and load on 2 ranks, in
+    one launch: (paths, uninterrupted results, loaded results on 2 ranks)."""
+    paths = {key: str(tmp_path_factory.mktemp(key)) for key in CHECKPOINTED}
+    saves = [("save", {**c, "path": paths[k]}) for k, c in CHECKPOINTED.items()]
+    loads = _loads(paths)
+    per_rank = launch(2, sc.run_checkpoint_jobs, saves + [job for _, job in loads], timeout=300)
+    uninterrupted = {k: [r[i] for r in per_rank] for i, k in enumerate(CHECKPOINTED)}
+    loaded = {key: [r[len(saves) + i] for r in per_rank] for i, (key, _) in enumerate(loads)}
+    return paths, uninterrupted, loaded
+
+
+def _check_resumed(uninterrupted, loaded, exact: bool) -> None:
+    for key, ranks in loaded.items():
+        if CHECKPOINTED[key.split(":")[0]]["kwargs"].get("norm_fisher") and key.endswith("dcp"):
+            assert "lacks its norm Fisher" in ranks[0]["error"], key
+            continue
+        reference = uninterrupted[key.split(":")[0]][0]["params"]
+        if exact:  # same world size, same reductions: bit for bit
+            for a, b in zip(reference, ranks[0]["params"], strict=True):
+                assert torch.equal(a, b), f"{key}: max diff {(a - b).abs().max():.3g}"
+        else:
+            assert max_diff(reference, ranks[0]["params"]) <= 1e-10, key
+
+
+def test_dcp_checkpoint_from_2_ranks_continues_on_2_bitwise(saved):
+    _, uninterrupted, loaded = saved
+    _check_resumed(uninterrupted, loaded, exact=True)
+
+
+def test_dcp_checkpoint_from_2_ranks_continues_on_1(saved):
+    paths, uninterrupted, _ = saved
+    loads = _loads(paths)
+    (results,) = launch(1, sc.run_checkpoint_jobs, [job for _, job in loads], timeout=300)
+    loaded = {key: [result] for (key, _), result in zip(loads, results, strict=True)}
+    _check_resumed(uninterrupted, loaded, exact=False)
+
+
+@pytest.mark.slow
+def test_dcp_checkpoint_from_2_ranks_continues_on_4(saved):
+    paths, uninterrupted, _ = saved
+    loads = _loads(paths)
+    per_rank = launch(4, sc.run_checkpoint_jobs, [job for _, job in loads], timeout=300)
+    loaded = {key: [r[i] for r in per_rank] for i, (key, _) in enumerate(loads)}
+    _check_resumed(uninterrupted, loaded, exact=False)
