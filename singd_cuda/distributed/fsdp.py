@@ -243,6 +243,8 @@ class RowShards:
                 gathered.append(e)
             else:
                 by_owner.append(e)
+        if self.world == 1:  # one shard holds every row: nothing to gather or send
+            gathered, by_owner = gathered + by_owner, []
         naturals = self._gathered_naturals(gathered, shards, inv_scale)
         naturals.update(self._owned_naturals(by_owner, shards, inv_scale))
         for e in gathered + by_owner:
@@ -266,8 +268,10 @@ class RowShards:
             return {}
         chunks = [self._padded_rows(e, shards[id(e.layer)], inv_scale) for e in entries]
         flat = torch.cat([c.reshape(-1) for c in chunks])
-        out = flat.new_empty(self.world * flat.numel())
-        comm.all_gather_(out, flat, self.group)
+        out = flat
+        if self.world > 1:
+            out = flat.new_empty(self.world * flat.numel())
+            comm.all_gather_(out, flat, self.group)
         out = out.view(self.world, -1)
         naturals, offset = {}, 0
         for e, chunk in zip(entries, chunks, strict=True):
