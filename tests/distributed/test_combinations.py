@@ -42,14 +42,14 @@ def test_ddp_tied_head_matches_one_process(combos, key):
 
 @pytest.mark.parametrize("key", [k for k in JOBS if k.startswith("fsdp")])
 def test_fsdp_amp_matches_one_process_to_its_precision(combos, key):
-    """The sharded and the single-process autocast runs lie within autocast's own
-    distance from the float32 run of each other (2x: each rounds its own way; a loss
-    scale left on the gradients or statistics would move them orders of magnitude
-    more); every step is taken."""
-    _, config = JOBS[key]
+    """The sharded and the single-process autocast runs agree to a small fraction of how
+    far training moved the parameters. Half-precision rounding, amplified by the
+    preconditioner, differs with the batch split and the thread count (about 1-4 % of
+    the movement here, and as much between autocast and float32); a loss scale left on
+    the gradients or statistics, or a factor-of-two scaling slip, moves them by about
+    the whole movement. Every step is taken."""
     ref = single(key)
-    full_precision = cs.run_fsdp_amp({**config, "amp": "none"})
-    precision = max_diff(ref["params"], full_precision["params"])
+    moved = max_diff(cs.full_params(cs.make_model()), ref["params"])
     diff = max_diff(ref["params"], combos[key][0]["params"])
-    assert diff <= 2 * precision, f"{key}: sharded {diff:.3g}, autocast itself {precision:.3g}"
+    assert diff <= 0.1 * moved, f"{key}: sharded differs by {diff:.3g}, moved {moved:.3g}"
     assert combos[key][0]["steps"] == ref["steps"] == cs.STEPS
