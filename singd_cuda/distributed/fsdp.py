@@ -208,7 +208,6 @@ class RowShards:
                 )
         self.group = self.mesh.get_group(self.dim)
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
-        self.replicas = self.mesh.size() // self.world  # HSDP: copies of each shard
         self.optimizer_group = process_group
 
     local = staticmethod(local)

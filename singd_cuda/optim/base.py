@@ -594,6 +594,10 @@ class KroneckerOptimizer(Optimizer):
             layer for layer in self._layers if any(p.grad is not None for p in layer.params)
         ]
         layers = [layer for layer in with_grad if self._sync is None or self._sync.owns(layer)]
+        if self._shards() is not None and any(g["weight_rescale"] for g in self.param_groups):
+            raise NotImplementedError(  # before any state changes
+                "weight_rescale=True is not supported with FSDP2-sharded parameters"
+            )
         if not self._update_factors(layers):
             return self._skip(
                 f"{type(self).__name__}: a factor update produced non-finite values, step "
@@ -812,10 +816,6 @@ class KroneckerOptimizer(Optimizer):
         for layer in layers:
             group = self.group_of(layer)
             rule = self.rule_for(group)
-            if group["weight_rescale"]:
-                raise NotImplementedError(
-                    "weight_rescale=True is not supported with FSDP2-sharded parameters"
-                )
             if self._sync.owns(layer) and not self.state[layer.weight]:
                 rule.init_state(layer, group, self.state[layer.weight])
             states = [self.state[p] for p in layer.params]
@@ -825,7 +825,7 @@ class KroneckerOptimizer(Optimizer):
             )
         inv_scale = None
         if grad_scale is not None:
-            inv_scale = grad_scale.to(layers[0].weight.device, torch.float32).reciprocal()
+            inv_scale = grad_scale.to(self._layers[0].weight.device, torch.float32).reciprocal()
         self._shards().step(entries, inv_scale)
 
     def _seed(self, group: dict, param: Tensor) -> int:
