@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -71,13 +72,37 @@ def full_params(model: nn.Module) -> list[torch.Tensor]:
     return out
 
 
-def train(model, opt, data, rank: int, world: int, start: int = 0) -> None:
+COUNTED = ("all_reduce", "all_gather_single", "all_gather_into_tensor", "all_to_all_single")
+
+
+def train(model, opt, data, rank: int, world: int, start: int = 0) -> list[list[str]]:
+    """Train on ``data`` from step ``start``; the collectives each ``opt.step()`` issued."""
     size = BATCH // world
+    log: list[str] = []
+    originals = {name: getattr(dist, name) for name in COUNTED}
+
+    def counting(name, fn):
+        def wrapper(*args, **kwargs):
+            log.append(name)
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    per_step = []
     for x, y in data[start:]:
         x, y = x[rank * size : (rank + 1) * size], y[rank * size : (rank + 1) * size]
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
-        opt.step()
+        log.clear()
+        for name, fn in originals.items():
+            setattr(dist, name, counting(name, fn))
+        try:
+            opt.step()
+        finally:
+            for name, fn in originals.items():
+                setattr(dist, name, fn)
+        per_step.append(list(log))
+    return per_step
 
 
 def run(config: dict, rank: int = 0, world: int = 1) -> dict[str, Any]:
@@ -93,7 +118,7 @@ def run(config: dict, rank: int = 0, world: int = 1) -> dict[str, Any]:
         shard_model(model, mesh)
     try:
         opt = OPTIMIZERS[config["optimizer"]](model, **config["kwargs"])
-        train(model, opt, batches(dtype), rank, world)
+        collectives = train(model, opt, batches(dtype), rank, world)
     except NotImplementedError as error:
         if not config.get("expect_error"):
             raise
@@ -105,7 +130,7 @@ def run(config: dict, rank: int = 0, world: int = 1) -> dict[str, Any]:
         if key not in ("momentum_buffer", "exp_avg")  # shaped like the (local) parameter
         for t in _tensors(value)
     )
-    return {"params": full_params(model), "factor_bytes": factor_bytes}
+    return {"params": full_params(model), "factor_bytes": factor_bytes, "collectives": collectives}
 
 
 def _tensors(value):

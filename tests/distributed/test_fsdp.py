@@ -115,6 +115,25 @@ def single_rank() -> list[dict]:
     return launch(1, sc.run_many, SINGLE_RANK)[0]
 
 
+@pytest.mark.parametrize(
+    ("key", "per_layer_step"),
+    [
+        ("singd-dense", ["all_gather_single"]),  # every row-mixing layer in one gather
+        ("singd-dense-owned", ["all_to_all_single", "all_to_all_single"]),  # to and back
+        ("adafisher", []),  # row-local: nothing beyond the flag and the statistics
+    ],
+)
+def test_collectives_per_step(fsdp_world, key, per_layer_step):
+    """Each opt.step(): the non-finite flag's all-reduce, on update steps (T = 2) the
+    statistics all-reduce before it, and the layers' collectives, never one per layer."""
+    _, results = fsdp_world
+    for rank, result in enumerate(results[key]):
+        for step, names in enumerate(result["collectives"]):
+            statistics = ["all_reduce"] if step % 2 == 0 else []
+            expected = [*statistics, "all_reduce", *per_layer_step]
+            assert names == expected, f"{key}, rank {rank}, step {step}: {names}"
+
+
 def test_a_single_rank_mesh_equals_the_plain_model(single_rank):
     """fully_shard on one rank (the parameters are DTensors all the same)."""
     plain = sc.run({**SINGLE_RANK[0], "shard": False})
