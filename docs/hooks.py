@@ -29,6 +29,7 @@ RECORDS = {
     "compile.md": "compile.md",
     "defaults.md": "defaults.md",
     "defaults_models.md": "defaults_models.md",
+    "fsdp.md": "fsdp.md",
     "harness_memory/README.md": "harness_memory.md",
     "harness/README.md": "harness_commands.md",
 }
