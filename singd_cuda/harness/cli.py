@@ -26,7 +26,15 @@ from .. import structures as structure_registry
 from . import tune as tuning
 from .data import DEFAULT_STEPS, PAPER_ACCURACY, PAPER_LOGISTIC_ACCURACY, TASKS
 from .memory import MEMORY_MODELS, measure
-from .optimizers import FIXED_SETTINGS, OPTIMIZERS, STRUCTURES, OptimizerChoice, expand
+from .optimizers import (
+    FIXED_SETTINGS,
+    HEAVYBALL_OPTIMIZERS,
+    OPTIMIZERS,
+    STRUCTURES,
+    OptimizerChoice,
+    expand,
+)
+from .peers import INSTALL_HINT, heavyball_available
 from .pool import default_workers, run_grid
 from .precision import FACTOR_DTYPES, NO_FACTORS, PRECISIONS
 from .report import (
@@ -55,7 +63,7 @@ from .stats import RULE
 #: task, optimizer, structure, precision and factor dtype.
 DEFAULT_GRID = {
     "tasks": ["mnist1d_mlp", "mnist1d_cnn"],
-    "optimizers": ["adamw", "kfac", "adafisher", "singd"],
+    "optimizers": ["adamw", "sgd", "kfac", "adafisher", "singd"],
     "structures": ["block_diagonal:32"],
     "precisions": ["fp32"],
     "factors": ["fp32", "bf16"],
@@ -106,6 +114,24 @@ def lr_arg(text: str) -> tuple[str | None, float]:
     if not lr > 0:
         raise argparse.ArgumentTypeError(f"learning rate must be positive, got '{text}'")
     return name or None, lr
+
+
+def set_arg(text: str) -> tuple[str, str, float | str]:
+    """``"singd.T=50"``, ``"singd.fallback_lr=adamw"`` (tied to AdamW's learning rate on
+    the task) or ``"muon.fallback_lr=0.01"``: (optimizer, keyword, value)."""
+    target, _, value = text.partition("=")
+    name, _, key = target.partition(".")
+    if name not in OPTIMIZERS or not key or not value:
+        raise argparse.ArgumentTypeError(
+            f"'{text}' is not OPT.KEY=VALUE with OPT one of {', '.join(OPTIMIZERS)} "
+            "(e.g. singd.T=50, singd.fallback_lr=adamw)"
+        )
+    for kind in (int, float):
+        try:
+            return name, key, kind(value)
+        except ValueError:
+            pass
+    return name, key, value
 
 
 def positive_int(text: str) -> int:
@@ -241,6 +267,17 @@ def train_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="LR",
         help="override the tuned learning rates: NUMBER for all or NAME=NUMBER",
+    )
+    p.add_argument(
+        "--set",
+        nargs="+",
+        type=set_arg,
+        default=[],
+        metavar="OPT.KEY=VALUE",
+        help="ablations: a keyword of one optimizer, e.g. singd.T=50, singd.damping=1e-3, "
+        "singd.loss_average=batch, singd.fallback_lr=1e-2, or fallback_lr=adamw (the "
+        "AdamW learning rate of the task, tuned or --lr); fallback_lr also sets Muon's "
+        "AdamW part (default 3e-3)",
     )
     p.add_argument(
         "--tune",
@@ -398,7 +435,9 @@ def run_specs(specs: list[RunSpec], args, out: Path) -> tuple[list[RunResult], f
 
 def run_tune(argv: list[str], name: str = "tune") -> tuple[Path, dict]:
     """Run the sweep ``argv`` describes; returns (output folder, chosen values)."""
-    args = tune_parser().parse_args(argv)
+    parser = tune_parser()
+    args = parser.parse_args(argv)
+    require_heavyball(parser, grid_values(args, "optimizers"))
     tasks = grid_values(args, "tasks")
     choices = expand(grid_values(args, "optimizers"), grid_values(args, "structures"))
     seeds = args.seeds or TUNE_SEEDS
@@ -427,6 +466,13 @@ def run_tune(argv: list[str], name: str = "tune") -> tuple[Path, dict]:
     return out, chosen
 
 
+def require_heavyball(parser: argparse.ArgumentParser, names: list[str]) -> None:
+    """Exit with the fix when a chosen optimizer needs heavyball and it is missing."""
+    missing = [n for n in names if n in HEAVYBALL_OPTIMIZERS]
+    if missing and not heavyball_available():
+        parser.error(f"{', '.join(missing)} need heavyball: {INSTALL_HINT}")
+
+
 def learning_rates(overrides: list[tuple[str | None, float]], name: str, hp: dict) -> dict:
     """``hp`` with the --lr overrides that apply to optimizer ``name``, in order."""
     hp = dict(hp)
@@ -446,6 +492,14 @@ def build_specs(args, tasks, choices, steps) -> tuple[list[RunSpec], dict]:
             hp = learning_rates(args.lr, choice.name, hp)
             if args.lr and any(t in (None, choice.name) for t, _ in args.lr):
                 source = "--lr"
+            changes = [(key, value) for name, key, value in args.set if name == choice.name]
+            for key, value in changes:
+                if key == "fallback_lr" and value == "adamw":
+                    adamw, _ = tuning.hparams_for(task, OptimizerChoice("adamw"))
+                    value = learning_rates(args.lr, "adamw", adamw)["lr"]
+                hp[key] = value
+            if changes:
+                source += " + --set"
             settings[(task, choice.label)] = (hp, source)
             for precision in precisions:
                 if PRECISIONS[precision].stochastic_rounding and not choice.has_factors:
@@ -491,16 +545,18 @@ def report_markdown(meta: dict, table_cells: dict, settings: dict, tasks: list[s
     for (task, label), (hp, source) in settings.items():
         name = label.split(":", 1)[0]
         fixed = ", ".join(f"{k}={v}" for k, v in FIXED_SETTINGS[name].items()) or "—"
-        hps = ", ".join(f"{k}={v:g}" for k, v in sorted(hp.items()))
+        hps = ", ".join(f"{k}={fmt_value(v)}" for k, v in sorted(hp.items()))
         rows.append([task, label, hps, source, fixed])
     lines += [
         markdown_table(
             ["task", "optimizer", "tuned", "source", "other non-default settings"], rows
         ),
         "",
-        "Everything else is the library default. The second-order optimizers train "
-        "parameters outside Linear/Conv2d (LayerNorm, embeddings) with their built-in AdamW "
-        "at lr 3e-3. Tuned values come from `singd_cuda/harness/tuned.py`"
+        "Everything else is the library (or heavyball) default. K-FAC, AdaFisher, SINGD and "
+        "IKFAC train parameters outside Linear/Conv2d (norms, embeddings) with their "
+        "built-in AdamW, and Muon all but the hidden matrices with heavyball's AdamW, at "
+        "lr 3e-3 unless `fallback_lr` is listed above. Tuned values come from "
+        "`singd_cuda/harness/tuned.py`"
         + (f" (`{meta['tuned_command']}`)." if meta.get("tuned_command") else "."),
         "",
     ]
@@ -540,6 +596,11 @@ def report_markdown(meta: dict, table_cells: dict, settings: dict, tasks: list[s
 TASKS_DESCRIPTIONS: dict[str, str] = {}
 
 
+def fmt_value(value) -> str:
+    """A hyperparameter as the report shows it: numbers in ``g`` format."""
+    return f"{value:g}" if isinstance(value, int | float) else str(value)
+
+
 def paper_comparison(task: str, table_cells: dict) -> list[str]:
     """Test accuracy in fp32 next to the MNIST-1D paper's table."""
     rows = [
@@ -562,7 +623,9 @@ def paper_comparison(task: str, table_cells: dict) -> list[str]:
 
 def run_train(argv: list[str]) -> Path:
     """Run the grid described by ``argv``; returns the output folder."""
-    args = train_parser().parse_args(argv)
+    parser = train_parser()
+    args = parser.parse_args(argv)
+    require_heavyball(parser, grid_values(args, "optimizers"))
     tasks = grid_values(args, "tasks")
     choices = expand(grid_values(args, "optimizers"), grid_values(args, "structures"))
     steps = steps_for(args, tasks, quick=True)
@@ -730,7 +793,9 @@ def result_from_record(r: dict) -> RunResult:
 
 def run_memory(argv: list[str]) -> Path:
     """Measure optimizer-state memory as ``argv`` says; returns the output folder."""
-    args = memory_parser().parse_args(argv)
+    parser = memory_parser()
+    args = parser.parse_args(argv)
+    require_heavyball(parser, args.optimizers)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
         args.factor_dtype
     ]

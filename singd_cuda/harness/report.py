@@ -419,15 +419,21 @@ def memory_table(model: str, rows: list) -> str:
     adamw = next((r.measured_bytes for r in rows if r.label == "adamw"), None)
     body = []
     for r in rows:
-        ok = r.measured_bytes == r.formula_bytes
+        if r.formula_bytes is None:
+            formula, check = "—", "measured only"
+        elif r.measured_bytes == r.formula_bytes:
+            formula, check = f"{r.formula_bytes / MIB:.2f}", "= formula"
+        else:
+            difference = r.measured_bytes - r.formula_bytes
+            formula, check = f"{r.formula_bytes / MIB:.2f}", f"differs by {difference} B"
         body.append(
             [
                 r.label,
                 f"{r.measured_bytes / MIB:.2f}",
-                f"{r.formula_bytes / MIB:.2f}",
+                formula,
                 fmt_ratio(r.measured_bytes / adamw if adamw else None),
                 f"{r.peak_bytes / MIB:.1f}",
-                "= formula" if ok else f"differs by {r.measured_bytes - r.formula_bytes} B",
+                check,
             ]
         )
     headers = ["optimizer", "state MiB", "formula MiB", "vs AdamW", "peak step MiB", "check"]
