@@ -70,7 +70,7 @@ DEFAULT_GRID = {
     "seeds": [0, 1, 2],
 }
 FULL_GRID = {
-    "tasks": ["mnist1d_mlp", "mnist1d_cnn", "lm"],
+    "tasks": ["mnist1d_mlp", "mnist1d_cnn", "lm", "llama_lm"],
     "optimizers": list(OPTIMIZERS),
     "structures": list(STRUCTURES),
     "precisions": list(PRECISIONS),
@@ -80,7 +80,7 @@ FULL_GRID = {
 #: Seeds of the tuning sweep: apart from the grid's, so that no reported run is a tuning run.
 TUNE_SEEDS = [100]
 #: Steps per task in the default grid (``--full`` and ``tune`` use DEFAULT_STEPS).
-QUICK_STEPS = {"mnist1d_mlp": 500, "mnist1d_cnn": 500, "lm": 100, "digits": 100}
+QUICK_STEPS = {"mnist1d_mlp": 500, "mnist1d_cnn": 500, "lm": 100, "llama_lm": 100, "digits": 100}
 
 
 def say(text: str = "") -> None:
