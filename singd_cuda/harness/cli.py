@@ -256,6 +256,7 @@ def train_parser() -> argparse.ArgumentParser:
         "held-out loss and accuracy (mean ± std), verdicts against fp32, time to AdamW's "
         "loss, and optimizer-state memory.",
         epilog="Sub-commands: 'singd-harness tune --help' (learning-rate sweep), "
+        "'singd-harness ablate --help' (why an optimizer loses: one change at a time), "
         "'singd-harness memory --help' (optimizer-state memory on ResNet-18, ViT-tiny, "
         "GPT-tiny).",
     )
@@ -838,6 +839,10 @@ def main(argv: list[str] | None = None) -> int:
         run_tune(argv[1:])
     elif argv[:1] == ["report"]:
         run_report(argv[1:])
+    elif argv[:1] == ["ablate"]:
+        from .ablate import run_ablate
+
+        run_ablate(argv[1:])
     else:
         run_train(argv)
     return 0

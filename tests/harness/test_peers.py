@@ -112,3 +112,18 @@ def test_bad_set_names_the_form(text, capsys):
     with pytest.raises(SystemExit):
         main(["--set", text])
     assert "OPT.KEY=VALUE" in capsys.readouterr().err
+
+
+def test_ablate_runs_one_change_at_a_time_against_adamw(tmp_path):
+    argv = ["ablate", "--task", "mnist1d_mlp", "--structure", "diagonal", "--steps", "2"]
+    argv += ["--seeds", "0", "--workers", "1", "--out", str(tmp_path), "--variants"]
+    argv += ["base", "fallback lr tied to AdamW's", "T=1", "structure dense", "steps x4"]
+    assert main(argv) == 0
+    table = (tmp_path / "ablations.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "variant" not in line]
+    assert len(rows) == 5
+    assert "T=1" in rows[2] and "singd:dense" in rows[3] and rows[4].rstrip(" |").endswith("8")
+    tied = json.loads((tmp_path / "fallback-lr-tied-to-adamw-s" / "results.json").read_text())
+    adamw_lr = json.loads((tmp_path / "adamw-2" / "results.json").read_text())["runs"][0]
+    assert tied["runs"][0]["hparams"]["fallback_lr"] == adamw_lr["hparams"]["lr"]
+    assert (tmp_path / "adamw-8" / "report.md").exists()
