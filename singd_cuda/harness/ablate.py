@@ -6,7 +6,8 @@ base run: the learning rate of the AdamW fallback that trains embeddings and nor
 (fixed 3e-3, tied to AdamW's tuned value, or other fixed values), ``T``, ``damping``,
 the structure, ``loss_average``, and the number of steps (with AdamW re-run at that
 length). Each variant is an ordinary grid (``--set``, ``--structures``, ``--steps``) in
-its own folder with its own report; ``ablations.md`` puts them side by side.
+its own folder with its own report; ``ablations.md`` puts every variant found in the
+folder side by side (so later invocations can add variants).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ VARIANTS: dict[str, tuple[list[str], str | None, int]] = {
     "structure diagonal": ([], "diagonal", 1),
     "loss_average=batch": (["loss_average=batch"], None, 1),
     "steps x4": ([], None, 4),
+    "steps x4, fallback lr tied": (["fallback_lr=adamw"], None, 4),
 }
 
 
@@ -70,7 +72,6 @@ def run_ablate(argv: list[str]) -> Path:
     common = ["--tasks", args.task, "--seeds", *args.seeds, "--precisions", args.precision]
     common += ["--factors", "fp32", "--device", args.device]
     common += ["--workers", args.workers] if args.workers else []
-    rows = []
     for name in args.variants:
         changes, structure, factor = VARIANTS[name]
         steps = factor * args.steps
@@ -86,7 +87,11 @@ def run_ablate(argv: list[str]) -> Path:
         grid += ["--set", *(f"{args.optimizer}.{c}" for c in changes)] if changes else []
         say(f"ablate: {name}")
         run_train(grid)
-        rows.append(_row(name, folder, reference))
+    rows = [  # every variant in the folder, also those of earlier invocations
+        _row(name, args.out / _slug(name), args.out / f"adamw-{factor * args.steps}")
+        for name, (_, _, factor) in VARIANTS.items()
+        if (args.out / _slug(name) / "results.json").exists()
+    ]
     text = _markdown(args, rows)
     (args.out / "ablations.md").write_text(text)
     say(text)
