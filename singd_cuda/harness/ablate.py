@@ -7,7 +7,8 @@ base run: the learning rate of the AdamW fallback that trains embeddings and nor
 the structure, ``loss_average``, and the number of steps (with AdamW re-run at that
 length). Each variant is an ordinary grid (``--set``, ``--structures``, ``--steps``) in
 its own folder with its own report; ``ablations.md`` puts every variant found in the
-folder side by side (so later invocations can add variants).
+folder side by side (so later invocations can add variants; a variant or reference already
+in the folder is not run again, so an interrupted ablation resumes).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import statistics
 from pathlib import Path
 
+from .optimizers import OPTIMIZERS
 from .stats import summarize
 
 #: name -> (``--set`` changes of the ablated optimizer, SINGD structure or None for the
@@ -45,7 +47,12 @@ def parser() -> argparse.ArgumentParser:
         "task; writes each variant's grid and ablations.md.",
     )
     p.add_argument("--task", default="lm", help="the task (default: lm)")
-    p.add_argument("--optimizer", default="singd", help="the ablated optimizer (default: singd)")
+    p.add_argument(
+        "--optimizer",
+        default="singd",
+        choices=list(OPTIMIZERS),
+        help="the ablated optimizer (default: singd)",
+    )
     p.add_argument("--structure", default="block_diagonal:32", help="SINGD's base structure")
     p.add_argument("--steps", type=int, default=200, help="steps of the base run (default 200)")
     p.add_argument("--seeds", nargs="+", default=["0", "1", "2"], metavar="SEED")
@@ -82,6 +89,9 @@ def run_ablate(argv: list[str]) -> Path:
                 [*common, "--optimizers", "adamw", "--steps", str(steps), "--out", str(reference)]
             )
         folder = args.out / _slug(name)
+        if (folder / "results.json").exists():
+            say(f"ablate: {name} already in {folder}")
+            continue
         grid = [*common, "--optimizers", args.optimizer, "--steps", str(steps)]
         grid += ["--structures", structure or args.structure, "--out", str(folder)]
         grid += ["--set", *(f"{args.optimizer}.{c}" for c in changes)] if changes else []
@@ -126,7 +136,9 @@ def _row(name: str, folder: Path, reference: Path) -> list[str]:
     return [
         name,
         label + " " + ", ".join(f"{k}={v}" for k, v in sorted(hp.items())),
-        "nan" if finals is None else f"{finals.mean:.4f} ± {finals.std:.4f}",
+        "nan"
+        if finals is None
+        else f"{finals.mean:.4f}" + (f" ± {finals.std:.4f}" * (finals.n > 1)),
         "—" if accs is None else f"{100 * accs.mean:.1f}",
         f"{sum(r['final_loss'] is None for r in runs)}/{len(runs)}",
         "—" if adamw is None else f"{adamw.mean:.4f}",

@@ -70,7 +70,7 @@ def _ours(name: str, common: dict, hparams: dict) -> dict:
     GradScaler and loss averaging, a fixed lr for the AdamW fallback (norms,
     embeddings), raising on a non-finite gradient (so the harness sees it instead of a
     warning and a skipped step), the fixed settings, then ``hparams`` over all of them."""
-    fixed = {k: v for k, v in FIXED_SETTINGS[name].items()}
+    fixed = FIXED_SETTINGS[name]
     return {**common, "fallback_lr": FALLBACK_LR, "nonfinite": "raise", **fixed, **hparams}
 
 

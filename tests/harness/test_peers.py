@@ -127,3 +127,13 @@ def test_ablate_runs_one_change_at_a_time_against_adamw(tmp_path):
     adamw_lr = json.loads((tmp_path / "adamw-2" / "results.json").read_text())["runs"][0]
     assert tied["runs"][0]["hparams"]["fallback_lr"] == adamw_lr["hparams"]["lr"]
     assert (tmp_path / "adamw-8" / "report.md").exists()
+
+
+def test_ablate_resumes_and_collects_earlier_variants(tmp_path, capsys):
+    argv = ["ablate", "--task", "mnist1d_mlp", "--structure", "diagonal", "--steps", "1"]
+    argv += ["--seeds", "0", "--workers", "1", "--out", str(tmp_path), "--variants"]
+    assert main([*argv, "T=1"]) == 0
+    assert main([*argv, "base", "T=1"]) == 0  # T=1 is not run again
+    assert "T=1 already in" in capsys.readouterr().out
+    table = (tmp_path / "ablations.md").read_text()
+    assert "| base |" in table and "| T=1 |" in table
