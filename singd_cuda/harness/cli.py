@@ -63,7 +63,7 @@ from .stats import RULE
 #: task, optimizer, structure, precision and factor dtype.
 DEFAULT_GRID = {
     "tasks": ["mnist1d_mlp", "mnist1d_cnn"],
-    "optimizers": ["adamw", "sgd", "kfac", "adafisher", "singd"],
+    "optimizers": ["adamw", "kfac", "adafisher", "sgd", "singd"],
     "structures": ["block_diagonal:32"],
     "precisions": ["fp32"],
     "factors": ["fp32", "bf16"],

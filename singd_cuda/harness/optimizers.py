@@ -128,6 +128,12 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
         "AdaFisher (diagonal Kronecker factors)",
         _lr_grid(3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1),
     ),
+    "sgd": OptimizerEntry(
+        _peer(peers.sgd),
+        "torch.optim.SGD, momentum 0.9",
+        _lr_grid(3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0),
+        has_factors=False,
+    ),
     "singd": OptimizerEntry(
         _singd,
         "SINGD, one run per structure",
@@ -138,12 +144,6 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
         _ikfac,
         "IKFAC: SINGD kfac_like=True, dense factors",
         _lr_grid(1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2),
-    ),
-    "sgd": OptimizerEntry(
-        _peer(peers.sgd),
-        "torch.optim.SGD, momentum 0.9",
-        _lr_grid(3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0),
-        has_factors=False,
     ),
     "soap": OptimizerEntry(
         _peer(peers.soap),
