@@ -276,9 +276,9 @@ def train_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="OPT.KEY=VALUE",
         help="ablations: a keyword of one optimizer, e.g. singd.T=50, singd.damping=1e-3, "
-        "singd.loss_average=batch, singd.fallback_lr=1e-2, or fallback_lr=adamw (the "
-        "AdamW learning rate of the task, tuned or --lr); fallback_lr also sets Muon's "
-        "AdamW part (default 3e-3)",
+        "singd.loss_average=batch, singd.fallback_lr=1e-2, or singd.fallback_lr=adamw "
+        "(the AdamW learning rate of the task, tuned or --lr); muon.fallback_lr sets "
+        "Muon's AdamW part (default 3e-3 for all)",
     )
     p.add_argument(
         "--tune",
