@@ -122,6 +122,49 @@ def headline_table(root: Path = HARNESS) -> str:
     return _table(headers, rows)
 
 
+# Against the optimizers users pick instead: runs with the peers, each with its own AdamW.
+PEER_TASKS = (("mnist1d_cnn_peers", "MNIST-1D CNN"), ("lm_peers", "char LM"))
+PEER_NAMES = {
+    "adamw": "AdamW",
+    "sgd": "momentum SGD",
+    "kfac": "K-FAC",
+    "adafisher": "AdaFisher",
+    "singd:block_diagonal:32": "SINGD (default)",
+    "soap": "SOAP",
+    "psgd_kron": "PSGD-Kron",
+    "muon": "Muon",
+}
+
+
+def peers_table(root: Path = HARNESS) -> str:
+    """Held-out loss (accuracy %), steps to that run's AdamW loss, wall-clock time to it
+    relative to AdamW's (``time_vs_adamw``) and optimizer state per optimizer of the peer
+    runs (fp32, mean ± std over the recorded seeds)."""
+    headers = ["optimizer (fp32)"]
+    for _, title in PEER_TASKS:
+        headers += [f"{title}: loss (acc %)", "steps to AdamW's loss", "time", "state MiB"]
+    records = {folder: load(root / folder)["cells"] for folder, _ in PEER_TASKS}
+    rows = []
+    for label, name in PEER_NAMES.items():
+        row = [name]
+        for folder, _ in PEER_TASKS:
+            cell = _reference_cell(records[folder], label)
+            if cell is None:
+                row += ["not run", "—", "—", "—"]
+                continue
+            loss = _mean_std(cell["loss_mean"], cell["loss_std"])
+            accuracy = _mean_std(cell["accuracy_mean"], None, 100.0, 1)
+            time_to_target = _ratio(cell["time_vs_adamw"])
+            row += [
+                f"{loss} ({accuracy})",
+                _steps(cell),
+                time_to_target,
+                f"{cell['state_mib']:.3f}",
+            ]
+        rows.append(row)
+    return _table(headers, rows)
+
+
 CELL_HEADERS = [
     "optimizer",
     "precision",
@@ -212,5 +255,6 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
     """Fill the evidence page's markers from the recorded JSON."""
     if page.file.src_uri == "evidence.md":
         markdown = markdown.replace("<!-- harness-headline -->", headline_table())
+        markdown = markdown.replace("<!-- harness-peers -->", peers_table())
         markdown = markdown.replace("<!-- harness-tables -->", harness_tables())
     return markdown

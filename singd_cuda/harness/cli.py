@@ -26,7 +26,15 @@ from .. import structures as structure_registry
 from . import tune as tuning
 from .data import DEFAULT_STEPS, PAPER_ACCURACY, PAPER_LOGISTIC_ACCURACY, TASKS
 from .memory import MEMORY_MODELS, measure
-from .optimizers import FIXED_SETTINGS, OPTIMIZERS, STRUCTURES, OptimizerChoice, expand
+from .optimizers import (
+    FIXED_SETTINGS,
+    HEAVYBALL_OPTIMIZERS,
+    OPTIMIZERS,
+    STRUCTURES,
+    OptimizerChoice,
+    expand,
+)
+from .peers import INSTALL_HINT, heavyball_available
 from .pool import default_workers, run_grid
 from .precision import FACTOR_DTYPES, NO_FACTORS, PRECISIONS
 from .report import (
@@ -55,14 +63,14 @@ from .stats import RULE
 #: task, optimizer, structure, precision and factor dtype.
 DEFAULT_GRID = {
     "tasks": ["mnist1d_mlp", "mnist1d_cnn"],
-    "optimizers": ["adamw", "kfac", "adafisher", "singd"],
+    "optimizers": ["adamw", "kfac", "adafisher", "sgd", "singd"],
     "structures": ["block_diagonal:32"],
     "precisions": ["fp32"],
     "factors": ["fp32", "bf16"],
     "seeds": [0, 1, 2],
 }
 FULL_GRID = {
-    "tasks": ["mnist1d_mlp", "mnist1d_cnn", "lm"],
+    "tasks": ["mnist1d_mlp", "mnist1d_cnn", "lm", "llama_lm"],
     "optimizers": list(OPTIMIZERS),
     "structures": list(STRUCTURES),
     "precisions": list(PRECISIONS),
@@ -72,7 +80,7 @@ FULL_GRID = {
 #: Seeds of the tuning sweep: apart from the grid's, so that no reported run is a tuning run.
 TUNE_SEEDS = [100]
 #: Steps per task in the default grid (``--full`` and ``tune`` use DEFAULT_STEPS).
-QUICK_STEPS = {"mnist1d_mlp": 500, "mnist1d_cnn": 500, "lm": 100, "digits": 100}
+QUICK_STEPS = {"mnist1d_mlp": 500, "mnist1d_cnn": 500, "lm": 100, "llama_lm": 100, "digits": 100}
 
 
 def say(text: str = "") -> None:
@@ -106,6 +114,24 @@ def lr_arg(text: str) -> tuple[str | None, float]:
     if not lr > 0:
         raise argparse.ArgumentTypeError(f"learning rate must be positive, got '{text}'")
     return name or None, lr
+
+
+def set_arg(text: str) -> tuple[str, str, float | str]:
+    """``"singd.T=50"``, ``"singd.fallback_lr=adamw"`` (tied to AdamW's learning rate on
+    the task) or ``"muon.fallback_lr=0.01"``: (optimizer, keyword, value)."""
+    target, _, value = text.partition("=")
+    name, _, key = target.partition(".")
+    if name not in OPTIMIZERS or not key or not value:
+        raise argparse.ArgumentTypeError(
+            f"'{text}' is not OPT.KEY=VALUE with OPT one of {', '.join(OPTIMIZERS)} "
+            "(e.g. singd.T=50, singd.fallback_lr=adamw)"
+        )
+    for kind in (int, float):
+        try:
+            return name, key, kind(value)
+        except ValueError:
+            pass
+    return name, key, value
 
 
 def positive_int(text: str) -> int:
@@ -230,6 +256,7 @@ def train_parser() -> argparse.ArgumentParser:
         "held-out loss and accuracy (mean ± std), verdicts against fp32, time to AdamW's "
         "loss, and optimizer-state memory.",
         epilog="Sub-commands: 'singd-harness tune --help' (learning-rate sweep), "
+        "'singd-harness ablate --help' (why an optimizer loses: one change at a time), "
         "'singd-harness memory --help' (optimizer-state memory on ResNet-18, ViT-tiny, "
         "GPT-tiny).",
     )
@@ -241,6 +268,17 @@ def train_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="LR",
         help="override the tuned learning rates: NUMBER for all or NAME=NUMBER",
+    )
+    p.add_argument(
+        "--set",
+        nargs="+",
+        type=set_arg,
+        default=[],
+        metavar="OPT.KEY=VALUE",
+        help="ablations: a keyword of one optimizer, e.g. singd.T=50, singd.damping=1e-3, "
+        "singd.loss_average=batch, singd.fallback_lr=1e-2, or singd.fallback_lr=adamw "
+        "(the AdamW learning rate of the task, tuned or --lr); muon.fallback_lr sets "
+        "Muon's AdamW part (default 3e-3 for all)",
     )
     p.add_argument(
         "--tune",
@@ -398,7 +436,9 @@ def run_specs(specs: list[RunSpec], args, out: Path) -> tuple[list[RunResult], f
 
 def run_tune(argv: list[str], name: str = "tune") -> tuple[Path, dict]:
     """Run the sweep ``argv`` describes; returns (output folder, chosen values)."""
-    args = tune_parser().parse_args(argv)
+    parser = tune_parser()
+    args = parser.parse_args(argv)
+    require_heavyball(parser, grid_values(args, "optimizers"))
     tasks = grid_values(args, "tasks")
     choices = expand(grid_values(args, "optimizers"), grid_values(args, "structures"))
     seeds = args.seeds or TUNE_SEEDS
@@ -427,6 +467,13 @@ def run_tune(argv: list[str], name: str = "tune") -> tuple[Path, dict]:
     return out, chosen
 
 
+def require_heavyball(parser: argparse.ArgumentParser, names: list[str]) -> None:
+    """Exit with the fix when a chosen optimizer needs heavyball and it is missing."""
+    missing = [n for n in names if n in HEAVYBALL_OPTIMIZERS]
+    if missing and not heavyball_available():
+        parser.error(f"{', '.join(missing)} need heavyball: {INSTALL_HINT}")
+
+
 def learning_rates(overrides: list[tuple[str | None, float]], name: str, hp: dict) -> dict:
     """``hp`` with the --lr overrides that apply to optimizer ``name``, in order."""
     hp = dict(hp)
@@ -446,6 +493,14 @@ def build_specs(args, tasks, choices, steps) -> tuple[list[RunSpec], dict]:
             hp = learning_rates(args.lr, choice.name, hp)
             if args.lr and any(t in (None, choice.name) for t, _ in args.lr):
                 source = "--lr"
+            changes = [(key, value) for name, key, value in args.set if name == choice.name]
+            for key, value in changes:
+                if key == "fallback_lr" and value == "adamw":
+                    adamw, _ = tuning.hparams_for(task, OptimizerChoice("adamw"))
+                    value = learning_rates(args.lr, "adamw", adamw)["lr"]
+                hp[key] = value
+            if changes:
+                source += " + --set"
             settings[(task, choice.label)] = (hp, source)
             for precision in precisions:
                 if PRECISIONS[precision].stochastic_rounding and not choice.has_factors:
@@ -478,7 +533,8 @@ def report_markdown(meta: dict, table_cells: dict, settings: dict, tasks: list[s
         "sample standard deviation over the seeds that stayed finite; 'failed seeds' counts "
         "the others (non-finite, error, or diverged). Time to target: training seconds "
         "(evaluations excluded) and steps until the held-out loss first reaches AdamW's "
-        "fp32 final held-out loss (mean over its seeds), checked at every evaluation "
+        "fp32 final held-out loss (mean over its seeds; in a grid without fp32 AdamW, "
+        "that of its first model precision), checked at every evaluation "
         f"({meta['evaluations']} per run); median over seeds, 'not reached' when the median "
         "seed does not reach it, (k/n) when only k seeds do; 'time vs AdamW' divides by "
         "AdamW's own median time in the same model precision (fp32 where AdamW does not "
@@ -491,16 +547,18 @@ def report_markdown(meta: dict, table_cells: dict, settings: dict, tasks: list[s
     for (task, label), (hp, source) in settings.items():
         name = label.split(":", 1)[0]
         fixed = ", ".join(f"{k}={v}" for k, v in FIXED_SETTINGS[name].items()) or "—"
-        hps = ", ".join(f"{k}={v:g}" for k, v in sorted(hp.items()))
+        hps = ", ".join(f"{k}={fmt_value(v)}" for k, v in sorted(hp.items()))
         rows.append([task, label, hps, source, fixed])
     lines += [
         markdown_table(
             ["task", "optimizer", "tuned", "source", "other non-default settings"], rows
         ),
         "",
-        "Everything else is the library default. The second-order optimizers train "
-        "parameters outside Linear/Conv2d (LayerNorm, embeddings) with their built-in AdamW "
-        "at lr 3e-3. Tuned values come from `singd_cuda/harness/tuned.py`"
+        "Everything else is the library (or heavyball) default. K-FAC, AdaFisher, SINGD and "
+        "IKFAC train parameters outside Linear/Conv2d (norms, embeddings) with their "
+        "built-in AdamW, and Muon all but the hidden matrices with heavyball's AdamW, at "
+        "lr 3e-3 unless `fallback_lr` is listed above. Tuned values come from "
+        "`singd_cuda/harness/tuned.py`"
         + (f" (`{meta['tuned_command']}`)." if meta.get("tuned_command") else "."),
         "",
     ]
@@ -540,6 +598,11 @@ def report_markdown(meta: dict, table_cells: dict, settings: dict, tasks: list[s
 TASKS_DESCRIPTIONS: dict[str, str] = {}
 
 
+def fmt_value(value) -> str:
+    """A hyperparameter as the report shows it: numbers in ``g`` format."""
+    return f"{value:g}" if isinstance(value, int | float) else str(value)
+
+
 def paper_comparison(task: str, table_cells: dict) -> list[str]:
     """Test accuracy in fp32 next to the MNIST-1D paper's table."""
     rows = [
@@ -562,7 +625,9 @@ def paper_comparison(task: str, table_cells: dict) -> list[str]:
 
 def run_train(argv: list[str]) -> Path:
     """Run the grid described by ``argv``; returns the output folder."""
-    args = train_parser().parse_args(argv)
+    parser = train_parser()
+    args = parser.parse_args(argv)
+    require_heavyball(parser, grid_values(args, "optimizers"))
     tasks = grid_values(args, "tasks")
     choices = expand(grid_values(args, "optimizers"), grid_values(args, "structures"))
     steps = steps_for(args, tasks, quick=True)
@@ -730,7 +795,9 @@ def result_from_record(r: dict) -> RunResult:
 
 def run_memory(argv: list[str]) -> Path:
     """Measure optimizer-state memory as ``argv`` says; returns the output folder."""
-    args = memory_parser().parse_args(argv)
+    parser = memory_parser()
+    args = parser.parse_args(argv)
+    require_heavyball(parser, args.optimizers)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
         args.factor_dtype
     ]
@@ -773,6 +840,10 @@ def main(argv: list[str] | None = None) -> int:
         run_tune(argv[1:])
     elif argv[:1] == ["report"]:
         run_report(argv[1:])
+    elif argv[:1] == ["ablate"]:
+        from .ablate import run_ablate
+
+        run_ablate(argv[1:])
     else:
         run_train(argv)
     return 0

@@ -10,6 +10,11 @@
 * ``lm``: a character-level language model on the source text of a few Python
   standard-library modules (read from their installed files), trained with a small
   :class:`GPT`; the last 10 % of the text is held out.
+* ``llama_lm``: a byte-level language model on the standard library's own sources (every
+  top-level ``.py`` file of the running Python, in name order), trained with a
+  Hugging Face LLaMA built from a config (:func:`llama_small`; the ``models`` extra),
+  context 128, batch 16; the last 10 % of the bytes is held out. Meant to run in bf16
+  autocast (``--precisions bf16-amp``) for 1,000 steps (``--full``).
 
 Batches depend only on the seed, so every optimizer and precision mode sees the same
 data in the same order.
@@ -21,6 +26,7 @@ import argparse
 import functools
 import inspect
 import os
+import sys
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .models import GPT, MNIST1DCNN, MNIST1DMLP, DigitsCNN, GPTConfig
+from .models import GPT, MNIST1DCNN, MNIST1DMLP, DigitsCNN, GPTConfig, llama_small
 
 #: Standard-library modules whose source makes the LM corpus (read in this order).
 CORPUS_MODULES = (os, inspect, argparse, textwrap)
@@ -39,7 +45,16 @@ CORPUS_MODULES = (os, inspect, argparse, textwrap)
 VOCAB = "\n" + "".join(chr(c) for c in range(32, 127))
 CONTEXT = 32
 #: Training steps per run when ``--steps`` is not given (the MNIST-1D paper trains 6000).
-DEFAULT_STEPS = {"mnist1d_mlp": 500, "mnist1d_cnn": 500, "lm": 200, "digits": 150}
+DEFAULT_STEPS = {
+    "mnist1d_mlp": 500,
+    "mnist1d_cnn": 500,
+    "lm": 200,
+    "llama_lm": 1000,
+    "digits": 150,
+}
+#: Context length and held-out windows of the byte-level ``llama_lm`` task.
+LLAMA_CONTEXT = 128
+LLAMA_HELD_OUT_WINDOWS = 64
 #: Test accuracy of the MNIST-1D paper's table (Adam, 6000 steps), for comparison.
 PAPER_ACCURACY = {"mnist1d_mlp": 0.68, "mnist1d_cnn": 0.94}
 #: The paper's logistic-regression baseline, quoted next to the MNIST-1D results.
@@ -195,10 +210,45 @@ def lm_task() -> Task:
     )
 
 
+def stdlib_sources() -> list[Path]:
+    """Every top-level ``.py`` file of the standard library, in name order."""
+    return sorted(Path(os.__file__).parent.glob("*.py"), key=lambda path: path.name)
+
+
+def stdlib_bytes() -> Tensor:
+    """The concatenated bytes of :func:`stdlib_sources` as token ids (N,) int64 in 0..255."""
+    data = b"".join(path.read_bytes() for path in stdlib_sources())
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+
+def llama_lm_task() -> Task:
+    """Byte-level LM on the standard library's sources with a small LLaMA (batch 16)."""
+    ids = stdlib_bytes()
+    split = int(0.9 * len(ids))
+    windows = ids[:split].unfold(0, LLAMA_CONTEXT + 1, 1)  # every training window, a view
+    held_out = ids[split:]
+    starts = torch.linspace(0, len(held_out) - LLAMA_CONTEXT - 1, LLAMA_HELD_OUT_WINDOWS)
+    held = torch.stack([held_out[s : s + LLAMA_CONTEXT + 1] for s in starts.long().tolist()])
+    version = ".".join(map(str, sys.version_info[:2]))
+    return Task(
+        name="llama_lm",
+        description=f"byte LM on the stdlib's .py sources (Python {version}, "
+        f"{len(ids) / 1e6:.1f} MB), HF LLaMA 4 x 128",
+        batch_size=16,
+        loss_average="batch+sequence",
+        make_model=functools.partial(llama_small, 256, LLAMA_CONTEXT),
+        train_x=windows[:, :-1],
+        train_y=windows[:, 1:],
+        eval_x=held[:, :-1],
+        eval_y=held[:, 1:],
+    )
+
+
 #: Task name -> builder.
 TASKS: dict[str, Callable[[], Task]] = {
     "mnist1d_mlp": mnist1d_mlp_task,
     "mnist1d_cnn": mnist1d_cnn_task,
     "lm": lm_task,
+    "llama_lm": llama_lm_task,
     "digits": digits_task,
 }

@@ -38,6 +38,8 @@ from .models import gpt_tiny, resnet18, vit_tiny
 from .optimizers import OptimizerChoice
 
 ADAMW_STEP_BYTES = 4
+#: The optimizers :func:`formula_bytes` has a formula for.
+FORMULA_OPTIMIZERS = ("adamw", "kfac", "adafisher", "singd", "ikfac")
 
 
 def tensor_bytes(obj) -> int:
@@ -52,8 +54,12 @@ def tensor_bytes(obj) -> int:
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of all tensors in ``optimizer.state_dict()["state"]``."""
-    return tensor_bytes(optimizer.state_dict()["state"])
+    """Bytes of all tensors in ``optimizer.state_dict()["state"]`` (of each inner
+    optimizer of a heavyball ``SplitOpt``, whose state dict lists them)."""
+    state = optimizer.state_dict()
+    if "state" not in state and "optimizers" in state:
+        return sum(tensor_bytes(inner["state"]) for inner in state["optimizers"])
+    return tensor_bytes(state["state"])
 
 
 def structure_entries(spec: str, d: int) -> int:
@@ -88,8 +94,13 @@ def layer_dims(module: nn.Linear | nn.Conv2d) -> tuple[int, int]:
     return k + bias, module.out_channels
 
 
-def formula_bytes(model: nn.Module, choice: OptimizerChoice, factor_dtype: torch.dtype) -> int:
-    """The analytic optimizer-state bytes of ``choice`` on ``model`` (module docstring)."""
+def formula_bytes(
+    model: nn.Module, choice: OptimizerChoice, factor_dtype: torch.dtype
+) -> int | None:
+    """The analytic optimizer-state bytes of ``choice`` on ``model`` (module docstring);
+    None for the peers (SGD, SOAP, PSGD-Kron, Muon), whose state is only measured."""
+    if choice.name not in FORMULA_OPTIMIZERS:
+        return None
     factor = torch.empty((), dtype=factor_dtype).element_size()
 
     def adamw(p: Tensor) -> int:
@@ -138,7 +149,7 @@ class MemoryRow:
     label: str
     parameters: int
     measured_bytes: int
-    formula_bytes: int
+    formula_bytes: int | None
     peak_bytes: int
     peak_method: str
 

@@ -6,6 +6,8 @@
 * :class:`GPT` - a decoder-only transformer (token and position embeddings, causal
   self-attention, LayerNorm, MLP); the character LM task uses a small config and
   :func:`gpt_tiny` a larger one.
+* :class:`HFCausalLM` - a Hugging Face causal LM (LLaMA) built from a config (nothing
+  downloaded), returning its logits; the ``llama_lm`` task uses :func:`llama_small`.
 * :func:`resnet18` (CIFAR-style), :func:`vit_tiny` and :func:`gpt_tiny` - the standard
   architectures of the ``memory`` sub-command.
 
@@ -152,6 +154,38 @@ class GPT(nn.Module):
     def forward(self, idx: Tensor) -> Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)
         return self.head(self.ln(self.blocks(self.tokens(idx) + self.positions(pos))))
+
+
+class HFCausalLM(nn.Module):
+    """A ``transformers`` causal LM built from ``config`` with fresh weights: token ids
+    (N, T) -> logits (N, T, vocab). Needs the ``models`` extra."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_config(config)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.model(input_ids=idx, use_cache=False).logits
+
+
+def llama_small(vocab: int = 256, context: int = 128) -> HFCausalLM:
+    """A CPU-sized LLaMA: 4 layers, width 128, 4 heads, SwiGLU width 384, RMSNorm, rotary
+    positions, untied head (0.92 M parameters at vocab 256)."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=context,
+        tie_word_embeddings=False,
+    )
+    return HFCausalLM(config)
 
 
 class ViT(nn.Module):

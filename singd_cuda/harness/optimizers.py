@@ -7,6 +7,15 @@ library default except the few settings in :data:`FIXED_SETTINGS`, which the rep
 lists. Weight decay is 0 everywhere so the runs compare preconditioners only.
 ``singd`` expands into one run per structure; ``ikfac`` is SINGD with
 ``kfac_like=True`` and dense factors.
+
+The peers a practitioner would pick instead (:mod:`.peers`): ``sgd``
+(``torch.optim.SGD``, momentum 0.9) and heavyball's ``soap``, ``psgd_kron`` and
+``muon`` (the optional ``peers`` extra), tuned on the same number of trials.
+
+``hparams`` may also carry ``fallback_lr`` (the learning rate of the AdamW that trains
+what the preconditioner does not: embeddings and norms of ours, every parameter but the
+hidden matrices of Muon) and, for our optimizers, any library keyword (``T``,
+``damping``, ``loss_average``, ...): the ablations of ``--set``.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import torch
 from torch import nn
 
 from .. import KFAC, SINGD, AdaFisher
+from . import peers
 
 #: Learning rate of the built-in AdamW fallback of KFAC, AdaFisher and SINGD (the
 #: parameters of embeddings, LayerNorm and BatchNorm).
@@ -33,6 +43,13 @@ FIXED_SETTINGS: dict[str, dict] = {
     "adafisher": {},
     "singd": {},
     "ikfac": {"structures": "dense", "kfac_like": True},
+    "sgd": {"momentum": peers.SGD_MOMENTUM, "weight_decay": 0.0},
+    "soap": {"weight_decay": 0.0},
+    "psgd_kron": {"weight_decay": 0.0},
+    "muon": {
+        "weight_decay": 0.0,
+        "rest": "AdamW (heavyball) at the fallback lr for all but hidden matrices",
+    },
 }
 
 
@@ -48,32 +65,42 @@ class OptimizerEntry:
     has_factors: bool = True
 
 
-def _ours(common: dict) -> dict:
+def _ours(name: str, common: dict, hparams: dict) -> dict:
     """Keywords of our optimizers: the run's factor dtype, stochastic rounding,
     GradScaler and loss averaging, a fixed lr for the AdamW fallback (norms,
-    embeddings), and raising on a non-finite gradient (so the harness sees it instead
-    of a warning and a skipped step)."""
-    return dict(common, fallback_lr=FALLBACK_LR, nonfinite="raise")
+    embeddings), raising on a non-finite gradient (so the harness sees it instead of a
+    warning and a skipped step), the fixed settings, then ``hparams`` over all of them."""
+    fixed = FIXED_SETTINGS[name]
+    return {**common, "fallback_lr": FALLBACK_LR, "nonfinite": "raise", **fixed, **hparams}
 
 
 def _adamw(model: nn.Module, structure, hparams: dict, **common) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), **hparams, **FIXED_SETTINGS["adamw"])
+    return torch.optim.AdamW(model.parameters(), **{**FIXED_SETTINGS["adamw"], **hparams})
 
 
 def _kfac(model: nn.Module, structure, hparams: dict, **common) -> torch.optim.Optimizer:
-    return KFAC(model, **hparams, **FIXED_SETTINGS["kfac"], **_ours(common))
+    return KFAC(model, **_ours("kfac", common, hparams))
 
 
 def _adafisher(model: nn.Module, structure, hparams: dict, **common) -> torch.optim.Optimizer:
-    return AdaFisher(model, **hparams, **_ours(common))
+    return AdaFisher(model, **_ours("adafisher", common, hparams))
 
 
 def _singd(model: nn.Module, structure: str, hparams: dict, **common) -> torch.optim.Optimizer:
-    return SINGD(model, structures=structure, **hparams, **_ours(common))
+    return SINGD(model, structures=structure, **_ours("singd", common, hparams))
 
 
 def _ikfac(model: nn.Module, structure, hparams: dict, **common) -> torch.optim.Optimizer:
-    return SINGD(model, **hparams, **FIXED_SETTINGS["ikfac"], **_ours(common))
+    return SINGD(model, **_ours("ikfac", common, hparams))
+
+
+def _peer(build: Callable[..., torch.optim.Optimizer]) -> Callable[..., torch.optim.Optimizer]:
+    """A peer's entry: its builder with the fallback lr defaulting to :data:`FALLBACK_LR`."""
+
+    def make(model: nn.Module, structure, hparams: dict, **common) -> torch.optim.Optimizer:
+        return build(model, **{"fallback_lr": FALLBACK_LR, **hparams})
+
+    return make
 
 
 def _lr_grid(*lrs: float) -> tuple[dict[str, float], ...]:
@@ -101,6 +128,12 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
         "AdaFisher (diagonal Kronecker factors)",
         _lr_grid(3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1),
     ),
+    "sgd": OptimizerEntry(
+        _peer(peers.sgd),
+        "torch.optim.SGD, momentum 0.9",
+        _lr_grid(3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0),
+        has_factors=False,
+    ),
     "singd": OptimizerEntry(
         _singd,
         "SINGD, one run per structure",
@@ -112,7 +145,27 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
         "IKFAC: SINGD kfac_like=True, dense factors",
         _lr_grid(1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2),
     ),
+    "soap": OptimizerEntry(
+        _peer(peers.soap),
+        "heavyball SOAP (Adam in Shampoo's eigenbasis; 1-D parameters: Adam)",
+        _lr_grid(3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1),
+        has_factors=False,
+    ),
+    "psgd_kron": OptimizerEntry(
+        _peer(peers.psgd_kron),
+        "heavyball PSGDKron (Kronecker PSGD; 1-D parameters: diagonal)",
+        _lr_grid(1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2),
+        has_factors=False,
+    ),
+    "muon": OptimizerEntry(
+        _peer(peers.muon),
+        "heavyball Muon on hidden matrices, AdamW on the rest",
+        _lr_grid(1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1),
+        has_factors=False,
+    ),
 }
+#: The entries that need the optional ``peers`` extra (heavyball).
+HEAVYBALL_OPTIMIZERS = ("soap", "psgd_kron", "muon")
 
 #: The structures SINGD runs with in ``--full`` (the default grid uses the first two).
 STRUCTURES = (

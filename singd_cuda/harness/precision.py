@@ -10,12 +10,20 @@ bf16-amp       ``torch.autocast`` bfloat16  float32      no         no
 fp16-amp       ``torch.autocast`` float16   float32      yes        no
 bf16-pure      bfloat16 (``model.to``)      bfloat16     no         no
 bf16-pure-sr   bfloat16 (``model.to``)      bfloat16     no         yes (our optimizers)
+fp16-pure      float16 (``model.to``)       float16      yes        no
 ============== ============================ ============ ========== ===================
 
+``fp16-pure`` scales the loss with a GradScaler that also unscales float16 gradients
+(:class:`PureFP16GradScaler`; ``torch.amp.GradScaler`` refuses them, as AMP keeps fp32
+weights): pure fp16 training with dynamic loss scaling, whose gradients, weights and
+optimizer states all live in fp16's range.
+
 Factor precision (the dtype of the Kronecker factors of K-FAC, SINGD, IKFAC and
-AdaFisher): ``fp32`` or ``bf16``, chosen independently of the model precision, so that
+AdaFisher): ``fp32``, ``bf16`` or ``fp16`` (fp16's range is 65504: factors that grow past
+it overflow, which is what ``fp16`` tests), chosen independently of the model precision, so that
 "factors stay stable in bf16" is tested on its own. AdamW has no factors (``-``), and
-it has no stochastic rounding, so it does not run in ``bf16-pure-sr``. The loss is
+it has no stochastic rounding, so it does not run in ``bf16-pure-sr``; the same holds
+for the peers (momentum SGD, SOAP, PSGD-Kron, Muon). The loss is
 always computed from float32 logits.
 """
 
@@ -26,6 +34,15 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+
+
+class PureFP16GradScaler(torch.amp.GradScaler):
+    """A GradScaler for float16 weights: unscales float16 gradients in place (in fp16)
+    where ``torch.amp.GradScaler.unscale_`` raises "Attempting to unscale FP16
+    gradients"; otherwise the same dynamic loss scaling."""
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
 
 
 @dataclass(frozen=True)
@@ -54,8 +71,13 @@ class Precision:
         return torch.autocast(device.type, dtype=self.autocast_dtype)
 
     def make_scaler(self, device: torch.device) -> torch.amp.GradScaler | None:
-        """A fresh ``torch.amp.GradScaler`` for fp16 autocast, else None."""
-        return torch.amp.GradScaler(device.type) if self.uses_scaler else None
+        """A fresh GradScaler for fp16 autocast (``torch.amp.GradScaler``) and pure fp16
+        (:class:`PureFP16GradScaler`), else None."""
+        if not self.uses_scaler:
+            return None
+        if self.weight_dtype == torch.float16:
+            return PureFP16GradScaler(device.type)
+        return torch.amp.GradScaler(device.type)
 
 
 PRECISIONS: dict[str, Precision] = {
@@ -73,10 +95,15 @@ PRECISIONS: dict[str, Precision] = {
             False,
             stochastic_rounding=True,
         ),
+        Precision("fp16-pure", "float16 weights + GradScaler", None, torch.float16, True),
     )
 }
 
 #: Factor precision name -> dtype of the Kronecker factors. "-" marks an optimizer
 #: without factors (AdamW).
-FACTOR_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+FACTOR_DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
 NO_FACTORS = "-"

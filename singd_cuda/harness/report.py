@@ -36,7 +36,8 @@ class Cell:
     key: tuple[str, str, str, str]
     runs: list[RunResult]
     fp32: Cell | None = None
-    target: float | None = None  # AdamW's fp32 final held-out loss (mean over seeds)
+    target: float | None = None  # AdamW's final held-out loss (mean over seeds): fp32's,
+    # or, in a grid without fp32 AdamW, that of AdamW's first precision in the grid
     reference: Cell | None = None  # AdamW's cell in the same precision (else fp32)
 
     @property
@@ -87,14 +88,19 @@ class Cell:
 
 def cells(results: list[RunResult]) -> dict[tuple[str, str, str, str], Cell]:
     """Cell key -> Cell in grid order, linked to their fp32 cell, their AdamW reference
-    and the task's target loss."""
+    and the task's target loss (AdamW's fp32 cell's, else its first cell's: a grid of
+    bf16 autocast alone still has a target)."""
     grouped: dict[tuple, list[RunResult]] = defaultdict(list)
     for r in results:
         grouped[r.spec.cell].append(r)
     table = {key: Cell(key, runs) for key, runs in grouped.items()}
+    first_adamw: dict[str, Cell] = {}
+    for key, cell in table.items():
+        if key[1] == REFERENCE:
+            first_adamw.setdefault(key[0], cell)
     for (task, label, precision, factor), cell in table.items():
         cell.fp32 = table.get((task, label, "fp32", "fp32" if factor != NO_FACTORS else factor))
-        base = table.get((task, REFERENCE, "fp32", NO_FACTORS))
+        base = table.get((task, REFERENCE, "fp32", NO_FACTORS), first_adamw.get(task))
         cell.reference = table.get((task, REFERENCE, precision, NO_FACTORS), base)
         if base is not None and base.loss is not None:
             cell.target = base.loss.mean
@@ -419,15 +425,21 @@ def memory_table(model: str, rows: list) -> str:
     adamw = next((r.measured_bytes for r in rows if r.label == "adamw"), None)
     body = []
     for r in rows:
-        ok = r.measured_bytes == r.formula_bytes
+        if r.formula_bytes is None:
+            formula, check = "—", "measured only"
+        elif r.measured_bytes == r.formula_bytes:
+            formula, check = f"{r.formula_bytes / MIB:.2f}", "= formula"
+        else:
+            difference = r.measured_bytes - r.formula_bytes
+            formula, check = f"{r.formula_bytes / MIB:.2f}", f"differs by {difference} B"
         body.append(
             [
                 r.label,
                 f"{r.measured_bytes / MIB:.2f}",
-                f"{r.formula_bytes / MIB:.2f}",
+                formula,
                 fmt_ratio(r.measured_bytes / adamw if adamw else None),
                 f"{r.peak_bytes / MIB:.1f}",
-                "= formula" if ok else f"differs by {r.measured_bytes - r.formula_bytes} B",
+                check,
             ]
         )
     headers = ["optimizer", "state MiB", "formula MiB", "vs AdamW", "peak step MiB", "check"]

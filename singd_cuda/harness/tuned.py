@@ -3,29 +3,41 @@
 The default run uses these values in every precision; re-tune with ``--tune``.
 """
 
-COMMAND = "python -m singd_cuda.harness tune --tasks mnist1d_mlp mnist1d_cnn lm --optimizers adamw kfac adafisher singd --structures block_diagonal:32 diagonal --record --out benchmarks/results/harness/tune && python -m singd_cuda.harness tune --tasks mnist1d_mlp mnist1d_cnn lm --optimizers adafisher singd --structures block_diagonal:32 diagonal --workers 1 --record --out benchmarks/results/harness/tune_defaults"  # noqa: E501
-CREATED = "2026-12-01T19:10:49"
+COMMAND = "python -m singd_cuda.harness tune --tasks mnist1d_mlp mnist1d_cnn lm --optimizers adamw kfac adafisher singd --structures block_diagonal:32 diagonal --record --out benchmarks/results/harness/tune && python -m singd_cuda.harness tune --tasks mnist1d_mlp mnist1d_cnn lm --optimizers adafisher singd --structures block_diagonal:32 diagonal --workers 1 --record --out benchmarks/results/harness/tune_defaults && python -m singd_cuda.harness tune --tasks mnist1d_mlp mnist1d_cnn --optimizers sgd soap psgd_kron muon --workers 2 --device cpu --record --out benchmarks/results/harness/tune_peers && python -m singd_cuda.harness tune --tasks lm --optimizers sgd soap psgd_kron muon --workers 1 --device cpu --out benchmarks/results/harness/tune_peers_lm"  # noqa: E501
+CREATED = "2026-12-02T04:46:35"
 STEPS: dict[str, int] = {"lm": 200, "mnist1d_cnn": 500, "mnist1d_mlp": 500}
 TUNED: dict[str, dict[str, dict[str, float]]] = {
     "lm": {
         "adafisher": {"lr": 0.1},
         "adamw": {"lr": 0.01},
         "kfac": {"lr": 0.01},
+        "muon": {"lr": 0.03},
+        "psgd_kron": {"lr": 0.003},
+        "sgd": {"lr": 0.3},
         "singd:block_diagonal:32": {"lr": 0.003},
         "singd:diagonal": {"lr": 0.003},
+        "soap": {"lr": 0.01},
     },
     "mnist1d_cnn": {
         "adafisher": {"lr": 0.03},
         "adamw": {"lr": 0.03},
         "kfac": {"lr": 0.01},
+        "muon": {"lr": 0.1},
+        "psgd_kron": {"lr": 0.003},
+        "sgd": {"lr": 0.1},
         "singd:block_diagonal:32": {"lr": 0.003},
         "singd:diagonal": {"lr": 0.003},
+        "soap": {"lr": 0.01},
     },
     "mnist1d_mlp": {
         "adafisher": {"lr": 0.03},
         "adamw": {"lr": 0.003},
         "kfac": {"lr": 0.001},
+        "muon": {"lr": 0.01},
+        "psgd_kron": {"lr": 0.001},
+        "sgd": {"lr": 0.03},
         "singd:block_diagonal:32": {"lr": 0.001},
         "singd:diagonal": {"lr": 0.01},
+        "soap": {"lr": 0.003},
     },
 }

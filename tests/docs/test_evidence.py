@@ -21,6 +21,13 @@ def test_readme_headline_equals_the_records():
     )
 
 
+def test_readme_peers_table_equals_the_records():
+    table = _hooks().peers_table()
+    assert table in (ROOT / "README.md").read_text(), (
+        "README.md's peers table differs from benchmarks/results/harness: paste\n" + table
+    )
+
+
 def test_every_record_is_rendered():
     hooks = _hooks()
     folders = hooks.run_folders()
@@ -36,3 +43,4 @@ def test_evidence_page_has_the_markers():
     page = (ROOT / "docs" / "evidence.md").read_text()
     assert "<!-- harness-headline -->" in page
     assert "<!-- harness-tables -->" in page
+    assert "<!-- harness-peers -->" in page

@@ -95,3 +95,13 @@ def test_time_to_target_chart_marks_not_reached(grid, tmp_path):
     plot_time_to_target(tmp_path / "t.png", grid)
     assert (tmp_path / "t.png").stat().st_size > 0
     assert math.isfinite(cell_row(grid[("t", "adamw", "fp32", "-")])[8].count("."))
+
+
+def test_target_without_fp32_adamw_is_adamws_first_precision():
+    runs = [
+        fake("adamw", "bf16-amp", "-", 0, [2.0, 1.5, 1.2, 1.0]),
+        fake("singd:diagonal", "bf16-amp", "fp32", 0, [2.0, 1.1, 0.9, 0.8]),
+    ]
+    table = cells(runs)
+    singd = table[("t", "singd:diagonal", "bf16-amp", "fp32")]
+    assert singd.target == 1.0 and singd.reach()[0] == 20

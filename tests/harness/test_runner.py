@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from singd_cuda.harness.data import (
@@ -103,3 +104,19 @@ def test_factor_dtype_and_stochastic_rounding_reach_the_optimizer():
     bf16 = train(task, spec(choice, "fp32", "bf16", 2, lr=0.01, lr_cov=0.1), CPU)
     fp32 = train(task, spec(choice, "fp32", "fp32", 2, lr=0.01, lr_cov=0.1), CPU)
     assert bf16.stable and bf16.state_bytes < fp32.state_bytes
+
+
+def test_llama_lm_is_byte_level_stdlib_source_and_trains_in_bf16_autocast():
+    pytest.importorskip("transformers")
+    from singd_cuda.harness.data import stdlib_bytes, stdlib_sources
+
+    sources = stdlib_sources()
+    assert any(path.name == "os.py" for path in sources)
+    ids = stdlib_bytes()
+    assert ids.dtype == torch.long and ids.min() >= 0 and ids.max() < 256
+    assert ids.numel() == sum(path.stat().st_size for path in sources)
+    task = TASKS["llama_lm"]()
+    assert task.train_x.shape[1] == 128 and torch.equal(task.train_x[:, 1:], task.train_y[:, :-1])
+    s = RunSpec("llama_lm", OptimizerChoice("adamw"), "bf16-amp", "-", 0, 2, (("lr", 1e-2),))
+    result = train(task, s, CPU)
+    assert result.stable and result.eval_loss[-1] < result.eval_loss[0]
