@@ -543,15 +543,22 @@ def phase_bench(args) -> PhaseResult:
     return PhaseResult("passed", summary, lines=lines, targets=targets, data=data)
 
 
+def _without_transformers() -> PhaseResult | None:
+    """The skipped result of a GPT-2 phase when transformers is missing, else None."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        return PhaseResult("skipped", "transformers is not installed (the models extra)")
+    return None
+
+
 def phase_iteration(args) -> PhaseResult:
     import gpu_iteration
 
     from singd_cuda import ops
 
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        return PhaseResult("skipped", "transformers is not installed (the models extra)")
+    if (skipped := _without_transformers()) is not None:
+        return skipped
     device = "cpu" if args.dry_run else "cuda"
     if not ops.fused_available(device):
         return PhaseResult("failed", f"the fused ops are not available on {device}")
@@ -566,10 +573,8 @@ def phase_iteration(args) -> PhaseResult:
 def phase_graphs(args) -> PhaseResult:
     import gpu_iteration
 
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        return PhaseResult("skipped", "transformers is not installed (the models extra)")
+    if (skipped := _without_transformers()) is not None:
+        return skipped
     lines, data = gpu_iteration.graphs_report(args.dry_run)
     captured = [label for label, verdict in data.items() if verdict == "yes"]
     summary = f"{len(captured)} of {len(data)} steps capture" if data else "not tried"
