@@ -58,6 +58,8 @@ from .finite import FactorUndo, FiniteCheck, tensors_of
 Schedule = float | Callable[[int], float]
 
 
+# the reasons of a skipped step, by priority (FiniteCheck flags)
+_SCALER, _GRADIENT, _STATISTICS, _FACTORS = range(4)
 STEP_NOT_COMPILED = (
     "singd_cuda optimizers step eagerly: compile the model, not optimizer.step (docs/compile.md)"
 )
@@ -222,7 +224,7 @@ class KroneckerOptimizer(Optimizer):
         self._pending: dict[Layer, dict] = {}  # this step's normalised statistics
         # layer states first created by this step's statistics: (param, previous state)
         self._created: dict[Layer, list[tuple[Tensor, dict]]] = {}
-        self._finite = FiniteCheck()
+        self._finite = FiniteCheck(reasons=4)
         self._scalars: dict[tuple[torch.device, torch.dtype], Tensor] = {}
         self._undo = FactorUndo()
         self._capture: CurvatureCapture | None = None
@@ -606,8 +608,6 @@ class KroneckerOptimizer(Optimizer):
             grad_scale, found_inf = self._synchronise(grad_scale, found_inf)
         # states created by statistics that were discarded before the step (zero_grad)
         self._restore_created([layer for layer in self._created if layer not in self._pending])
-        if found_inf is not None and bool(found_inf.item()):
-            return self._skip("")  # the GradScaler skips and backs off; that is routine
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         if any(p.grad is not None and p.grad.is_sparse for p in self._fallback_params):
             raise RuntimeError(
@@ -615,17 +615,14 @@ class KroneckerOptimizer(Optimizer):
                 "or nn.EmbeddingBag with sparse=True): use sparse=False, or train those "
                 "parameters with torch.optim.SparseAdam and leave them out of params="
             )
-        if found_inf is None and not self._finite.all_finite(grads):
-            return self._skip(
-                f"{type(self).__name__}: non-finite gradient, step skipped and statistics "
-                "dropped (use torch.amp.GradScaler for fp16; nonfinite='raise' to raise)"
-            )
-        if not self._finite.all_finite(tensors_of(self._pending)):
-            return self._skip(
-                f"{type(self).__name__}: non-finite curvature statistics (an overflow in the "
-                "layer inputs or output gradients), step skipped and no state changed; "
-                "use a GradScaler or float32 statistics (nonfinite='raise' to raise)"
-            )
+        # every check raises a flag on the device; the step reads them once, after the
+        # factor updates (undone when a flag is raised), before any parameter is written
+        self._finite.reset()
+        if found_inf is not None:
+            self._finite.flag(found_inf.device, _SCALER).copy_(found_inf.reshape(1))
+        else:
+            self._finite.check(grads, _GRADIENT)
+        self._finite.check(tensors_of(self._pending), _STATISTICS)
         layers = [  # those with a gradient (a frozen weight's trained bias counts)
             layer
             for layer in self._layers
@@ -633,15 +630,15 @@ class KroneckerOptimizer(Optimizer):
             and (self._sync is None or self._sync.owns(layer))
         ]
         waiting = [layer for layer in layers if not self._started(layer)]
+        layers = [layer for layer in layers if layer not in waiting]
+        self._update_factors(layers)
+        reason = self._finite.verdict()
+        if reason is not None:
+            self._undo.restore()
+            return self._skip(self._skip_message(reason))
+        self._undo.clear()
         if waiting:
             self._warn_waiting(waiting)
-            layers = [layer for layer in layers if layer not in waiting]
-        if not self._update_factors(layers):
-            return self._skip(
-                f"{type(self).__name__}: a factor update produced non-finite values, step "
-                "skipped and every factor restored (use float32 factor_dtype or a larger "
-                "damping; nonfinite='raise' to raise)"
-            )
         for group in self.param_groups:
             recipe.momentum_from_ratio(group)
         fused: dict[int, list[Layer]] = {}
@@ -673,6 +670,29 @@ class KroneckerOptimizer(Optimizer):
                 raise FloatingPointError(reason)
             warnings.warn(reason, RuntimeWarning, stacklevel=4)
 
+    def _skip_message(self, reason: int) -> str:
+        """The warning (or error) of a step skipped for ``reason`` ('' for the GradScaler's
+        routine skip)."""
+        name = type(self).__name__
+        if reason == _SCALER:
+            return ""  # the GradScaler skips and backs off; that is routine
+        if reason == _GRADIENT:
+            return (
+                f"{name}: non-finite gradient, step skipped and statistics dropped (use "
+                "torch.amp.GradScaler for fp16; nonfinite='raise' to raise)"
+            )
+        if reason == _STATISTICS:
+            return (
+                f"{name}: non-finite curvature statistics (an overflow in the layer inputs "
+                "or output gradients), step skipped and no state changed; use a GradScaler "
+                "or float32 statistics (nonfinite='raise' to raise)"
+            )
+        return (
+            f"{name}: a factor update produced non-finite values, step skipped and every "
+            "factor restored (use float32 factor_dtype or a larger damping; "
+            "nonfinite='raise' to raise)"
+        )
+
     def _forget_statistics(self) -> None:
         self._created.clear()
         self._pending = {}
@@ -684,7 +704,6 @@ class KroneckerOptimizer(Optimizer):
         loss terms w of every counted forward, the output side multiplied by them (for a
         loss averaged over its terms), and the loss scale removed. Layers whose forwards
         held no sample (w = 0) have none."""
-        inv_scale_sq = 1.0 if stats_scale is None else 1.0 / float(stats_scale) ** 2
         pending = {}
         for layer, committed in self._capture.committed.items():
             statistics = committed.statistics
@@ -693,22 +712,25 @@ class KroneckerOptimizer(Optimizer):
             terms = committed.terms
             if "in" in statistics:  # norm layers have no input side
                 self._scale_(statistics["in"], 1.0 / terms)
-            out_factor = inv_scale_sq
-            if self.group_of(layer)["loss_average"] is not None:
-                out_factor *= terms
-            self._scale_(statistics["out"], out_factor)
+            out_factor = 1.0 if self.group_of(layer)["loss_average"] is None else terms
+            self._scale_(statistics["out"], out_factor, stats_scale)
             pending[layer] = statistics
         return pending
 
-    def _scale_(self, statistic, factor: float) -> None:
-        """statistic *= factor through a reused 0-dim buffer (a Python scalar would
-        allocate one per call)."""
-        if factor == 1.0:
+    def _scale_(self, statistic, factor: float, loss_scale: Tensor | None = None) -> None:
+        """statistic *= factor / loss_scale² through a reused 0-dim buffer (a Python scalar
+        would allocate one per call; the loss scale stays on the device, unread)."""
+        if factor == 1.0 and loss_scale is None:
             return
         key = (statistic.device, accumulation_dtype(statistic.dtype))
         if key not in self._scalars:
             self._scalars[key] = torch.zeros((), dtype=key[1], device=key[0])
-        statistic.mul_(self._scalars[key].fill_(factor))
+        scalar = self._scalars[key]
+        if loss_scale is None:
+            scalar.fill_(factor)
+        else:
+            scalar.copy_(loss_scale.reshape(())).reciprocal_().square_().mul_(factor)
+        statistic.mul_(scalar)
 
     def _warn_waiting(self, layers: list[Layer]) -> None:
         """Once per layer: a weight with a gradient but no statistics on a statistics step
@@ -756,9 +778,9 @@ class KroneckerOptimizer(Optimizer):
             saw_samples=self._capture.saw_samples,
         )
 
-    def _update_factors(self, layers: list[Layer]) -> bool:
-        """Update the factors of ``layers`` from this step's statistics; False (and every
-        factor as it was) when a result is not finite."""
+    def _update_factors(self, layers: list[Layer]) -> None:
+        """Update the factors of ``layers`` from this step's statistics, saving what they
+        overwrite in ``self._undo``, and flag a non-finite result (the step restores)."""
         stacks: dict[tuple, list[tuple[Layer, dict, dict]]] = {}
         for layer in layers:
             pending = self._pending.get(layer)
@@ -783,11 +805,7 @@ class KroneckerOptimizer(Optimizer):
             self.rule_for(group).update_factors_many(
                 stacked_layers, group, states, pendings, group["step"]
             )
-        if self._finite.all_finite(self._undo.updated()):
-            self._undo.clear()
-            return True
-        self._undo.restore()
-        return False
+        self._finite.check(self._undo.updated(), _FACTORS)
 
     def _layer_step(
         self, layer: Layer, grad_scale: Tensor | None, fused: dict[int, list[Layer]]
