@@ -375,9 +375,12 @@ class _LayerHook(_InertCopies):
             if capture is not None:
                 capture._saw(capture._layers[self._index], output)
             return None
-        token = capture_ops.mark(self._forward, output, self._handle, self._index)
-        if not torch.compiler.is_compiling() and not token[0]:
-            return None
+        if torch.compiler.is_compiling():
+            token = capture_ops.mark(self._forward, output, self._handle, self._index)
+        else:
+            token = capture_ops.token_fields(output, self._handle, self._index)
+            if not token[0]:
+                return None
         layer_input = (args[0] if args else next(iter(kwargs.values()))).detach()
         return capture_ops.Stage.apply(
             output, token, layer_input, self._probe, self._handle, self._index
