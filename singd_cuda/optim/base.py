@@ -225,7 +225,7 @@ class KroneckerOptimizer(Optimizer):
         # layer states first created by this step's statistics: (param, previous state)
         self._created: dict[Layer, list[tuple[Tensor, dict]]] = {}
         self._finite = FiniteCheck(reasons=4)
-        self._scalars: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+        self._scalars: dict[tuple, Tensor] = {}  # see _scalar
         self._undo = FactorUndo()
         self._capture: CurvatureCapture | None = None
         self._waiting_warned: set[int] = set()  # weights warned about waiting for statistics
@@ -705,32 +705,52 @@ class KroneckerOptimizer(Optimizer):
         loss averaged over its terms), and the loss scale removed. Layers whose forwards
         held no sample (w = 0) have none."""
         pending = {}
+        # (factor, scaled by the loss scale) -> statistics: one multiply per group below
+        scaled: dict[tuple[float, bool], list] = {}
         for layer, committed in self._capture.committed.items():
             statistics = committed.statistics
             if committed.terms <= 0 or not statistics:
                 continue
             terms = committed.terms
             if "in" in statistics:  # norm layers have no input side
-                self._scale_(statistics["in"], 1.0 / terms)
+                scaled.setdefault((1.0 / terms, False), []).append(statistics["in"])
             out_factor = 1.0 if self.group_of(layer)["loss_average"] is None else terms
-            self._scale_(statistics["out"], out_factor, stats_scale)
+            scaled.setdefault((out_factor, stats_scale is not None), []).append(
+                statistics["out"]
+            )
             pending[layer] = statistics
+        for (factor, by_loss_scale), group in scaled.items():
+            if factor != 1.0 or by_loss_scale:
+                self._scale_(group, factor, stats_scale if by_loss_scale else None)
         return pending
 
-    def _scale_(self, statistic, factor: float, loss_scale: Tensor | None = None) -> None:
-        """statistic *= factor / loss_scale² through a reused 0-dim buffer (a Python scalar
-        would allocate one per call; the loss scale stays on the device, unread)."""
-        if factor == 1.0 and loss_scale is None:
-            return
-        key = (statistic.device, accumulation_dtype(statistic.dtype))
-        if key not in self._scalars:
-            self._scalars[key] = torch.zeros((), dtype=key[1], device=key[0])
-        scalar = self._scalars[key]
+    def _scale_(self, statistics: list, factor: float, loss_scale: Tensor | None) -> None:
+        """statistic *= factor / loss_scale² for each of ``statistics`` (tensors or
+        structured matrices): one multi-tensor multiply per (device, dtype) for those
+        held in their accumulation dtype, by a 0-dim tensor kept between steps (a Python
+        scalar would allocate one per call; the loss scale stays on the device, unread)."""
+        fused: dict[tuple, list[Tensor]] = {}
+        for statistic in statistics:
+            parts = list(tensors_of(statistic))
+            key = (statistic.device, accumulation_dtype(statistic.dtype))
+            if all(part.dtype == key[1] for part in parts):
+                fused.setdefault(key, []).extend(parts)
+            else:  # low-precision parts: their own rounding on store
+                statistic.mul_(self._scalar(key, factor, loss_scale))
+        for key, tensors in fused.items():
+            torch._foreach_mul_(tensors, self._scalar(key, factor, loss_scale))
+
+    def _scalar(self, key: tuple, factor: float, loss_scale: Tensor | None) -> Tensor:
+        """factor / loss_scale² as a 0-dim tensor of ``key`` = (device, dtype), reused."""
+        if len(self._scalars) > 64:  # many distinct loss-term counts: start over
+            self._scalars.clear()
+        full_key = (*key, factor, loss_scale is not None)
+        scalar = self._scalars.get(full_key)
+        if scalar is None:
+            scalar = self._scalars[full_key] = torch.zeros((), dtype=key[1], device=key[0])
         if loss_scale is None:
-            scalar.fill_(factor)
-        else:
-            scalar.copy_(loss_scale.reshape(())).reciprocal_().square_().mul_(factor)
-        statistic.mul_(scalar)
+            return scalar.fill_(factor)
+        return scalar.copy_(loss_scale.reshape(())).reciprocal_().square_().mul_(factor)
 
     def _warn_waiting(self, layers: list[Layer]) -> None:
         """Once per layer: a weight with a gradient but no statistics on a statistics step
