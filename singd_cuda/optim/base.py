@@ -715,9 +715,7 @@ class KroneckerOptimizer(Optimizer):
             if "in" in statistics:  # norm layers have no input side
                 scaled.setdefault((1.0 / terms, False), []).append(statistics["in"])
             out_factor = 1.0 if self.group_of(layer)["loss_average"] is None else terms
-            scaled.setdefault((out_factor, stats_scale is not None), []).append(
-                statistics["out"]
-            )
+            scaled.setdefault((out_factor, stats_scale is not None), []).append(statistics["out"])
             pending[layer] = statistics
         for (factor, by_loss_scale), group in scaled.items():
             if factor != 1.0 or by_loss_scale:
