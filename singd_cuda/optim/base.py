@@ -799,15 +799,14 @@ class KroneckerOptimizer(Optimizer):
     def _update_factors(self, layers: list[Layer]) -> None:
         """Update the factors of ``layers`` from this step's statistics, saving what they
         overwrite in ``self._undo``, and flag a non-finite result (the step restores)."""
+        updated = [layer for layer in layers if layer in self._pending]
+        states = [self._layer_state(layer, self.group_of(layer)) for layer in updated]
+        self._undo.save(states)
         stacks: dict[tuple, list[tuple[Layer, dict, dict]]] = {}
-        for layer in layers:
-            pending = self._pending.get(layer)
-            if pending is None:
-                continue
+        for layer, state in zip(updated, states, strict=True):
+            pending = self._pending[layer]
             group = self.group_of(layer)
             rule = self.rule_for(group)
-            state = self._layer_state(layer, group)
-            self._undo.save(state)
             if self._sync is not None and self._sync.distribute_factors:
                 rule.finish_shared(layer, group, state, pending)
             if not rule.start_factors(layer, group, state, pending):

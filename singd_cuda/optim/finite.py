@@ -97,29 +97,41 @@ class FactorUndo:
         self._vectors: dict[int, Tensor] = {}
         self._saved: list[tuple[dict, dict]] = []
 
-    def save(self, state: dict) -> None:
-        self._saved.append((state, self._copy(state)))
+    def save(self, states: Iterable[dict]) -> None:
+        """Save ``states`` (before any of them is updated): the vectors in one
+        multi-tensor copy."""
+        targets: list[Tensor] = []
+        sources: list[Tensor] = []
+        for state in states:
+            self._saved.append((state, self._copy(state, targets, sources)))
+        if targets:
+            torch._foreach_copy_(targets, sources)
 
-    def _copy(self, state: dict) -> dict:
+    def _copy(self, state: dict, targets: list[Tensor], sources: list[Tensor]) -> dict:
+        """The saved entries of ``state``: matrices cloned now, vectors' buffers queued
+        in ``targets`` to be copied from ``sources``."""
         copy = {}
         for key, value in state.items():
             if key in self._skip:
                 continue
             if isinstance(value, dict):
-                copy[key] = self._copy(value)
+                copy[key] = self._copy(value, targets, sources)
             elif isinstance(value, Tensor):
-                copy[key] = self._saved_tensor(value)
+                if value.dim() > 1:
+                    copy[key] = value.clone()
+                else:
+                    copy[key] = self._buffer(value)
+                    targets.append(copy[key])
+                    sources.append(value)
             else:
                 copy[key] = value
         return copy
 
-    def _saved_tensor(self, value: Tensor) -> Tensor:
-        if value.dim() > 1:
-            return value.clone()
+    def _buffer(self, value: Tensor) -> Tensor:
         buffer = self._vectors.get(id(value))
         if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
             buffer = self._vectors[id(value)] = torch.empty_like(value)
-        return buffer.copy_(value)
+        return buffer
 
     def updated(self) -> Iterator[Tensor]:
         """The floating-point tensors of the saved states (as they are now)."""
