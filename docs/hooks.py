@@ -30,6 +30,7 @@ RECORDS = {
     "host_cost.md": "host_cost.md",
     "defaults.md": "defaults.md",
     "defaults_models.md": "defaults_models.md",
+    "fsdp.md": "fsdp.md",
     "harness_memory/README.md": "harness_memory.md",
     "harness/README.md": "harness_commands.md",
 }

@@ -10,12 +10,18 @@ from __future__ import annotations
 
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 
 def is_active(process_group=None) -> bool:
     """True when torch.distributed is initialised and the group has more than one rank."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1
+
+
+def sharded(model: nn.Module) -> bool:
+    """Whether any parameter of ``model`` is a DTensor (FSDP2's ``fully_shard``)."""
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def unwrap(model: nn.Module) -> tuple[nn.Module, bool]:

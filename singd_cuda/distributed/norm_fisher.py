@@ -109,9 +109,12 @@ def store_fisher(layer: Layer, states: list[dict], statistic: Tensor) -> None:
         offset += param.numel()
 
 
-def preconditioned(grad: Tensor, state: dict, damping: float) -> Tensor:
-    """grad / (F + λ_norm); the plain gradient until a first Fisher is known."""
+def preconditioned(grad: Tensor, state: dict, damping: float, rows: slice | None = None) -> Tensor:
+    """grad / (F + λ_norm); the plain gradient until a first Fisher is known. ``rows``:
+    the rows (dim 0) of the parameter that ``grad`` holds (an FSDP2 shard; None: all)."""
     fisher = state.get("fisher_diag")
     if fisher is None:
         return grad
+    if rows is not None:
+        fisher = fisher[rows]
     return grad / (fisher.to(grad.dtype) + damping)

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from ..curvature.layers import Layer
 from ..structures.base import accumulation_dtype
 from . import comm
+from .fsdp import SHARDED_KEYS, RowShards, full_state, local, localise_state_
 from .ownership import assign_owners
 from .packing import (
     Segment,
@@ -56,6 +57,7 @@ class Synchronizer:
         distribute_factors: bool = False,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         ddp_wrapped: bool = False,
+        row_local: Sequence[bool] = (),
     ) -> None:
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
@@ -63,21 +65,53 @@ class Synchronizer:
         self.rank, self.world_size = comm.rank_and_world(process_group)
         self.distribute_factors = distribute_factors
         self.cap_bytes = int(bucket_cap_mb * 2**20)
-        self.grads_averaged = ddp_wrapped  # set as well when a DDP forward is seen
+        # FSDP2: parameters sharded by rows, gradients averaged by its reduce-scatter
+        self.shards = RowShards(model, layers, process_group) if comm.sharded(model) else None
+        self.grads_averaged = ddp_wrapped or self.shards is not None  # or a DDP forward seen
         self._hook = model.register_forward_pre_hook(self._note_ddp)
         owners = assign_owners(costs, self.world_size) if distribute_factors else None
-        self.owner: dict[Layer, int] = (
+        self.owner: dict[Layer, int | None] = (
             dict(zip(layers, owners, strict=True)) if owners else dict.fromkeys(layers, self.rank)
         )
+        if self.shards is not None:
+            self._check_sharded_ownership()
+            for layer, local in zip(layers, row_local or [False] * len(layers), strict=True):
+                if local:  # elementwise on shards: every rank keeps the (vector) factors
+                    self.owner[layer] = None
         self._layers = list(layers)
+
+    def _check_sharded_ownership(self) -> None:
+        if self.distribute_factors and self.shards.world != self.world_size:
+            raise NotImplementedError(
+                "distribute_factors=True needs the FSDP shard group to be the optimizer's "
+                f"process group ({self.shards.world} shard ranks, {self.world_size} in the "
+                "group): with HSDP use distribute_factors=False"
+            )
 
     def _note_ddp(self, module: nn.Module, inputs) -> None:
         if comm.inside_ddp_forward(module):
             self.grads_averaged = True
 
     def owns(self, layer: Layer) -> bool:
-        """Whether this rank updates ``layer`` (always, unless distribute_factors)."""
-        return self.owner[layer] == self.rank
+        """Whether this rank updates the factors of ``layer`` (always, unless
+        distribute_factors; under FSDP2 every rank does for row-local layers)."""
+        return self.owner[layer] in (self.rank, None)
+
+    def owner_of(self, layer: Layer) -> int | None:
+        """The rank updating the factors of ``layer``; None: every rank."""
+        return self.owner[layer] if self.distribute_factors else None
+
+    def local_tensors(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        """This rank's parts of ``tensors`` (its shards under FSDP2), for finite checks."""
+        if self.shards is None:
+            return list(tensors)
+        return [local(t) for t in tensors]
+
+    def agree(self, check) -> None:
+        """Every rank's non-finite flags in ``check`` (a ``FiniteCheck``) raised on every
+        rank: sharded tensors differ between ranks (one all-reduce under FSDP2)."""
+        if self.shards is not None:
+            self.shards.agree(check)
 
     def remove(self) -> None:
         """Remove the hook the synchroniser put on the model."""
@@ -186,8 +220,8 @@ class Synchronizer:
         can stay with the owner too, and bitwise-equal replicas on every rank; the
         factors would be larger (d_K² + d_C² for dense) and would have to be replicated.
         """
-        if not self.distribute_factors:
-            return 0
+        if not self.distribute_factors or self.shards is not None:
+            return 0  # FSDP2: each rank wrote its own rows
         by_rank: list[list[Tensor]] = [[] for _ in range(self.world_size)]
         for layer in self._layers:
             by_rank[self.owner[layer]].extend(p.data for p in layer.params)
@@ -208,8 +242,25 @@ class Synchronizer:
             return []
         return [p for layer in self._layers if not self.owns(layer) for p in layer.params]
 
+    def keep_own_state(self, state: dict[Tensor, dict]) -> None:
+        """After a load: drop the factors of layers other ranks own and, under FSDP2,
+        keep only this rank's rows of the entries shaped like the parameters."""
+        if self.shards is None:
+            for param in self.foreign_params():
+                state.pop(param, None)
+            return
+        for param, param_state in state.items():
+            localise_state_(param, param_state)
+        for param in self.foreign_params():
+            if param in state:
+                state[param] = {k: v for k, v in state[param].items() if k in SHARDED_KEYS}
+
     def full_state_dict(self, local: dict[str, Any], index_of: dict[int, int]) -> dict[str, Any]:
-        """Merge every rank's own layer states into ``local`` (this rank's state_dict)."""
+        """Merge every rank's own layer states into ``local`` (this rank's state_dict);
+        under FSDP2 its sharded entries are gathered whole first."""
+        if self.shards is not None:  # the same DTensors, in the same order, on every rank
+            states = local["state"]
+            local = {**local, "state": {i: full_state(states[i]) for i in sorted(states)}}
         if not self.distribute_factors:
             return local
         owned = {index_of[pid] for pid in self.owned_param_ids()}

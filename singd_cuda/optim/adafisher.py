@@ -214,32 +214,55 @@ class AdaFisherRule(LayerRule):
         """
         by_count: dict[int, tuple[int, DiagonalBatch]] = {}
         for position, (layer, layer_states) in enumerate(zip(layers, states, strict=True)):
-            acc = accumulation_dtype(layer.weight.dtype)
-            s, h, _ = self._normalised.get(
-                layer,
-                (layer_states[0]["s"], layer_states[0]["h"]),
-                lambda s, h, out, acc=acc: _normalised(s, h, acc, out),
-            )
-            layer_states[0]["step"] += 1
+            s, h = self._counted_scales(layer, layer_states[0])
             count = layer_states[0]["step"]
             if count not in by_count:
                 by_count[count] = (position, DiagonalBatch())
             by_count[count][1].add(layer, layer_states, s, h, "exp_avg")
         for count, (position, batch) in by_count.items():
-            ops.diag_precond_step_(
-                *batch.lists(),
-                mode="adafisher",
-                lr=group["lr"],
-                momentum=group["momentum"],
-                damping=scheduled(group["damping"], step),
-                weight_decay=group["weight_decay"],
-                decoupled=group["decoupled_weight_decay"],
-                step=count,
-                inv_scale=inv_scale,
-                stochastic_rounding=group["stochastic_rounding"],
-                seed=seed + position,  # the first layer's position: distinct random bits
-            )
-            batch.write_back()
+            # the first layer's position: distinct random bits
+            self._step_batch(batch, group, inv_scale, step, count, seed + position)
+
+    def _counted_scales(self, layer: Layer, state: dict) -> tuple[Tensor, Tensor]:
+        """(s′, h′) of the layer, counting one more update of it (its bias correction)."""
+        acc = accumulation_dtype(layer.weight.dtype)
+        s, h, _ = self._normalised.get(
+            layer, (state["s"], state["h"]), lambda s, h, out: _normalised(s, h, acc, out)
+        )
+        state["step"] += 1
+        return s, h
+
+    @staticmethod
+    def _step_batch(batch: DiagonalBatch, group, inv_scale, step: int, count: int, seed: int):
+        ops.diag_precond_step_(
+            *batch.lists(),
+            mode="adafisher",
+            lr=group["lr"],
+            momentum=group["momentum"],
+            damping=scheduled(group["damping"], step),
+            weight_decay=group["weight_decay"],
+            decoupled=group["decoupled_weight_decay"],
+            step=count,
+            inv_scale=inv_scale,
+            stochastic_rounding=group["stochastic_rounding"],
+            seed=seed,
+        )
+        batch.write_back()
+
+    def row_local(self, group: dict) -> bool:
+        return True
+
+    def shard_buffers(self, group: dict) -> tuple[str, ...]:
+        return ("exp_avg",)
+
+    def apply_shard(self, layer, shard, group, states, inv_scale, step: int, seed: int):
+        """This rank's rows: the same op with their slice of s′ (h′ whole)."""
+        s, h = self._counted_scales(layer, states[0])
+        if shard.rows.start == shard.rows.stop:
+            return  # no rows here; the count above keeps every rank's state alike
+        batch = DiagonalBatch()
+        batch.add(shard, states, s[shard.rows], h, "exp_avg")
+        self._step_batch(batch, group, inv_scale, step, states[0]["step"], seed)
 
 
 class AdaFisher(KroneckerOptimizer):

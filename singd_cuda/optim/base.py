@@ -45,6 +45,7 @@ from ..curvature.layers import (
     misplaced_batch,
     samples,
     sequence_first_modules,
+    split_matrix,
 )
 from ..distributed import comm as dist_comm
 from ..distributed import norm_fisher, recipe
@@ -176,6 +177,57 @@ class LayerRule(ABC):
         ``pending`` that :meth:`update_factors` expects (default: they are that already)."""
         return None
 
+    # Hooks for parameters sharded by rows (FSDP2, singd_cuda.distributed.fsdp): a shard
+    # is a Layer over this rank's rows of the weight and bias (plain tensors sharing the
+    # shard's storage, with their local gradients), its ``rows`` the slice it holds.
+    def row_local(self, group: dict) -> bool:
+        """True when rows of the preconditioned gradient need only the same rows of G
+        (a diagonal output-side factor): a shard then updates itself without gathering G."""
+        return False
+
+    def natural_rows(
+        self, layer: Layer, group: dict, state: dict, G: Tensor, rows: slice, step: int
+    ) -> Tensor:
+        """Rows ``rows`` of the preconditioned gradient Ĝ (unscaled) of ``layer``; G
+        (accumulation dtype, unscaled) holds every row, or only ``rows`` when
+        :meth:`row_local`."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not support parameters sharded by rows (FSDP2)"
+        )
+
+    def apply_shard(
+        self,
+        layer: Layer,
+        shard: Layer,
+        group: dict,
+        states: list[dict],
+        inv_scale: Tensor | None,
+        step: int,
+        seed: int,
+    ) -> None:
+        """A :meth:`row_local` rule's update of this rank's rows (``shard``, gradients
+        still scaled by 1/``inv_scale``); the default preconditions with
+        :meth:`natural_rows` and takes a momentum SGD step (:meth:`apply_direction`).
+        Called for a shard without rows too (``shard.rows`` empty), to count the step."""
+        if shard.rows.start == shard.rows.stop:
+            return
+        G = gradient_matrix(shard, accumulation_dtype(layer.weight.dtype))
+        if inv_scale is not None:
+            G = G * inv_scale.to(G.device, G.dtype)
+        natural = self.natural_rows(layer, group, states[0], G, shard.rows, step)
+        self.apply_direction(shard, group, states, natural, seed)
+
+    def shard_buffers(self, group: dict) -> tuple[str, ...]:
+        """The state entries shaped like each parameter that a step creates (created as
+        zeros for every shard up front, so that every rank holds them, rows or not)."""
+        return ("momentum_buffer",) if group["momentum"] != 0.0 else ()
+
+    def apply_direction(
+        self, shard: Layer, group: dict, states: list[dict], natural: Tensor, seed: int
+    ) -> None:
+        """Momentum SGD with weight decay on the shard's parameters along its rows of Ĝ."""
+        sgd_update_(shard.params, split_matrix(shard, natural), states, group, seed)
+
 
 class KroneckerOptimizer(Optimizer):
     """Base class; subclasses provide defaults and pick a :class:`LayerRule` per group."""
@@ -230,13 +282,14 @@ class KroneckerOptimizer(Optimizer):
         self._capture: CurvatureCapture | None = None
         self._waiting_warned: set[int] = set()  # weights warned about waiting for statistics
         self._batch_checked: set[int] = set()  # weights whose batch dimension was checked
+        self._seen_forward = False  # a grad-enabled model forward ran since construction
         self._index_model()
         self._sync: Synchronizer | None = None
-        if dist_comm.is_active(process_group):
+        if dist_comm.is_active(process_group) or dist_comm.sharded(model):
+            groups = [self.group_of(layer) for layer in self._layers]
             costs = [
                 layer_cost(self.rule_for(g).factor_structures(g), layer.dim_in, layer.dim_out)
-                for layer in self._layers
-                for g in [self.group_of(layer)]
+                for layer, g in zip(self._layers, groups, strict=True)
             ]
             self._sync = Synchronizer(
                 model,
@@ -246,6 +299,7 @@ class KroneckerOptimizer(Optimizer):
                 distribute_factors=distribute_factors,
                 bucket_cap_mb=bucket_cap_mb,
                 ddp_wrapped=ddp_wrapped,
+                row_local=[self.rule_for(g).row_local(g) for g in groups],
             )
 
     # ---------------------------------------------------------------- set-up
@@ -407,6 +461,7 @@ class KroneckerOptimizer(Optimizer):
 
     def _before_forward(self) -> None:
         """Validate edited hyperparameters before the capture reads them."""
+        self._seen_forward = True
         hyperparameters.check_step(self, scheduled=False)
 
     def _loss_terms(self, layer: Layer, output: Tensor) -> int:
@@ -621,17 +676,26 @@ class KroneckerOptimizer(Optimizer):
         if found_inf is not None:
             self._finite.flag(found_inf.device, _SCALER).copy_(found_inf.reshape(1))
         else:
-            self._finite.check(grads, _GRADIENT)
+            local = grads if self._sync is None else self._sync.local_tensors(grads)
+            self._finite.check(local, _GRADIENT)
         self._finite.check(tensors_of(self._pending), _STATISTICS)
-        layers = [  # those with a gradient (a frozen weight's trained bias counts)
-            layer
-            for layer in self._layers
-            if any(p.grad is not None for p in layer.params)
-            and (self._sync is None or self._sync.owns(layer))
+        with_grad = [  # those with a gradient (a frozen weight's trained bias counts)
+            layer for layer in self._layers if any(p.grad is not None for p in layer.params)
         ]
-        waiting = [layer for layer in layers if not self._started(layer)]
-        layers = [layer for layer in layers if layer not in waiting]
+        # Before any model forward no layer can have had statistics, so none waits for
+        # them: torch.distributed.checkpoint builds a fresh optimizer's state template by one
+        # step with zero gradients (_init_optim_state), and the layers then take the factor
+        # state a checkpoint holds.
+        waiting = [layer for layer in with_grad if self._seen_forward and not self._started(layer)]
+        with_grad = [layer for layer in with_grad if layer not in waiting]
+        layers = [layer for layer in with_grad if self._sync is None or self._sync.owns(layer)]
+        if self._shards() is not None and any(g["weight_rescale"] for g in self.param_groups):
+            raise NotImplementedError(  # before any state changes
+                "weight_rescale=True is not supported with FSDP2-sharded parameters"
+            )
         self._update_factors(layers)
+        if self._sync is not None:
+            self._sync.agree(self._finite)  # sharded tensors differ between ranks
         reason = self._finite.verdict()
         if reason is not None:
             self._undo.restore()
@@ -641,13 +705,18 @@ class KroneckerOptimizer(Optimizer):
             self._warn_waiting(waiting)
         for group in self.param_groups:
             recipe.momentum_from_ratio(group)
-        fused: dict[int, list[Layer]] = {}
-        for layer in layers:
-            self._layer_step(layer, grad_scale, fused)
-        self._fused_apply(fused, grad_scale)
-        self._fallback_step(grad_scale, [p for layer in waiting for p in layer.params])
-        if self._sync is not None:
-            self._sync.share_parameters()
+        if self._shards() is not None:  # every rank updates its rows of every layer
+            self._sharded_layer_step(with_grad, grad_scale)
+            self._fallback_step(grad_scale, [p for layer in waiting for p in layer.params])
+        else:
+            fused: dict[int, list[Layer]] = {}
+            for layer in layers:
+                self._layer_step(layer, grad_scale, fused)
+            self._fused_apply(fused, grad_scale)
+            owned = [layer for layer in waiting if self._sync is None or self._sync.owns(layer)]
+            self._fallback_step(grad_scale, [p for layer in owned for p in layer.params])
+            if self._sync is not None:
+                self._sync.share_parameters()
         self._norm_step(grad_scale)
         self._fallback_step(grad_scale, self._fallback_params)
         for group in self.param_groups:
@@ -859,6 +928,30 @@ class KroneckerOptimizer(Optimizer):
                 for layer in layers:
                     recipe.rescale_weight_(layer.weight)
 
+    def _shards(self):
+        """The FSDP2 part of the step (:class:`~singd_cuda.distributed.fsdp.RowShards`),
+        or None when the parameters are not sharded."""
+        return None if self._sync is None else self._sync.shards
+
+    def _sharded_layer_step(self, layers: list[Layer], grad_scale: Tensor | None) -> None:
+        """Every rank updates its rows of every layer (FSDP2; the owner of a layer, or
+        every rank, preconditions)."""
+        entries = []
+        for layer in layers:
+            group = self.group_of(layer)
+            rule = self.rule_for(group)
+            if self._sync.owns(layer) and not self.state[layer.weight]:
+                rule.init_state(layer, group, self.state[layer.weight])
+            states = [self.state[p] for p in layer.params]
+            seed = self._seed(group, layer.weight)
+            entries.append(
+                self._shards().entry(layer, rule, group, states, seed, self._sync.owner_of(layer))
+            )
+        inv_scale = None
+        if grad_scale is not None:
+            inv_scale = grad_scale.to(self._layers[0].weight.device, torch.float32).reciprocal()
+        self._shards().step(entries, inv_scale)
+
     def _seed(self, group: dict, param: Tensor) -> int:
         """Stochastic-rounding seed of an op call whose first tensor is ``param``.
 
@@ -871,6 +964,7 @@ class KroneckerOptimizer(Optimizer):
     def _norm_step(self, grad_scale: Tensor | None) -> None:
         """Normalisation-layer affine parameters under ``norm_fisher``: momentum SGD on
         grad / (F + norm_damping), F the diagonal empirical Fisher of the last update step."""
+        shards = self._shards()
         for layer in self._norm_layers:
             group = self.group_of(layer)
             states = [self.state[p] for p in layer.params]
@@ -878,13 +972,17 @@ class KroneckerOptimizer(Optimizer):
             if pending is not None:
                 norm_fisher.store_fisher(layer, states, pending["out"])
             damping = scheduled(group["norm_damping"], group["step"])
+            view = layer if shards is None else shards.view(layer)  # FSDP2: this rank's rows
+            rows = None if shards is None else view.rows
             directions = [
                 None
                 if param.grad is None
-                else norm_fisher.preconditioned(_unscaled(param.grad, grad_scale), state, damping)
-                for param, state in zip(layer.params, states, strict=True)
+                else norm_fisher.preconditioned(
+                    _unscaled(param.grad, grad_scale), state, damping, rows
+                )
+                for param, state in zip(view.params, states, strict=True)
             ]
-            sgd_update_(layer.params, directions, states, group, self._seed(group, layer.weight))
+            sgd_update_(view.params, directions, states, group, self._seed(group, layer.weight))
 
     def _fallback_step(self, grad_scale: Tensor | None, params: list[Tensor]) -> None:
         """AdamW on those of ``params`` that have a gradient, one write per group."""
@@ -892,25 +990,39 @@ class KroneckerOptimizer(Optimizer):
         for p in params:
             if p.grad is not None:
                 by_group.setdefault(self._param_group[id(p)], []).append(p)
+        shards = self._shards()
         for index, params in by_group.items():
             group = self.param_groups[index]
+            states = [self.state[p] for p in params]
+            seed = self._seed(group, params[0])
+            grads = [p.grad for p in params]
+            if shards is not None:  # FSDP2: the shards, as torch.optim.AdamW updates them
+                params, grads = [shards.local(p) for p in params], [shards.local(g) for g in grads]
+            grads = [_unscaled(g, grad_scale) for g in grads]
             adamw_update_(
                 params,
-                [_unscaled(p.grad, grad_scale) for p in params],
-                [self.state[p] for p in params],
+                grads,
+                states,
                 lr=group["lr"] if group["fallback_lr"] is None else group["fallback_lr"],
                 betas=group["fallback_betas"],
                 eps=group["fallback_eps"],
                 weight_decay=group["fallback_weight_decay"],
                 stochastic_rounding=group["stochastic_rounding"],
-                seed=self._seed(group, params[0]),
+                seed=seed,
             )
 
     # ---------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
         """torch.optim's state dict, plus the optimizer kind under ``"optimizer"`` (its
         class name, so that :meth:`load_state_dict` can tell another optimizer's)."""
-        return {**super().state_dict(), checkpoint.KIND_KEY: type(self).__name__}
+        state_dict = {**super().state_dict(), checkpoint.KIND_KEY: type(self).__name__}
+        shards = self._shards()
+        if shards is not None:  # FSDP2: the shards' buffers as DTensors (for DCP)
+            params = [p for g in self.param_groups for p in g["params"]]
+            state_dict["state"] = {
+                i: shards.sharded_state(params[i], s) for i, s in state_dict["state"].items()
+            }
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state; unlike torch.optim, every state tensor keeps its own dtype.
@@ -918,7 +1030,12 @@ class KroneckerOptimizer(Optimizer):
         Raises ValueError, before changing anything, when the checkpoint does not fit
         (another optimizer, model, structure; :mod:`.checkpoint`).
         """
-        checkpoint.check_fits(self, state_dict)
+        state_dict = checkpoint.by_index(state_dict)  # DCP's set_optimizer_state_dict: names
+        foreign = set()
+        if self._shards() is not None:  # FSDP2: a rank holds the rows of layers it does not own
+            foreign = {id(p) for p in self._sync.foreign_params()}
+        checkpoint.check_fits(self, state_dict, buffers_only=foreign)
+        self._check_norm_fisher_kept(state_dict)
         groups = state_dict["param_groups"]
         state_dict = {
             **state_dict,
@@ -937,9 +1054,26 @@ class KroneckerOptimizer(Optimizer):
             self.state[param] = _keep_dtypes(
                 saved_value=param_state, loaded=self.state[param], device=param.device
             )
-        if self._sync is not None:  # distribute_factors: keep only this rank's layers
-            for param in self._sync.foreign_params():
-                self.state.pop(param, None)
+        if self._sync is not None:  # distribute_factors: this rank's layers; FSDP2: rows
+            self._sync.keep_own_state(self.state)
+
+    def _check_norm_fisher_kept(self, state_dict: dict[str, Any]) -> None:
+        """A checkpoint past its first step holds the norm Fisher of every norm layer
+        that has state; DCP's sharded load fills only the entries a fresh optimizer's
+        state_dict has, which lack it."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        index = {id(p): i for i, p in enumerate(params)}
+        states = state_dict["state"]
+        for layer in self._norm_layers:
+            state = states.get(index[id(layer.weight)])
+            if state and "fisher_diag" not in state and "momentum_buffer" in state:
+                raise checkpoint.CheckpointMismatchError(
+                    f"the state of norm layer '{layer.name}' lacks its norm Fisher "
+                    "('fisher_diag'): torch.distributed.checkpoint's sharded load fills only "
+                    "the entries of a fresh optimizer; load norm_fisher=True optimizers from "
+                    "a full state (get_optimizer_state_dict(..., full_state_dict=True) or "
+                    "opt.full_state_dict())"
+                )
 
     def full_state_dict(self) -> dict[str, Any]:
         """The whole optimizer state, on every rank (a collective: call it on all ranks).

@@ -39,8 +39,14 @@ class CheckpointMismatchError(ValueError):
     """The checkpoint does not fit this optimizer (a ValueError)."""
 
 
-def check_fits(optimizer: KroneckerOptimizer, state_dict: dict[str, Any]) -> None:
-    """Raise :class:`CheckpointMismatchError` (a ValueError) unless ``state_dict`` fits."""
+def check_fits(
+    optimizer: KroneckerOptimizer, state_dict: dict[str, Any], buffers_only: set[int] = frozenset()
+) -> None:
+    """Raise :class:`CheckpointMismatchError` (a ValueError) unless ``state_dict`` fits.
+
+    ``buffers_only``: ids of parameters whose state may hold their buffers without the
+    layer's factors (FSDP2 with ``distribute_factors``: another rank owns the layer).
+    """
     name = type(optimizer).__name__
     fix = f"load a checkpoint saved by the same {name} configuration and model"
     kind = state_dict.get(KIND_KEY)
@@ -69,6 +75,8 @@ def check_fits(optimizer: KroneckerOptimizer, state_dict: dict[str, Any]) -> Non
         required, optional = expected[id(param)]
         if isinstance(state, dict) and in_fallback(state) and id(param) in layer_params:
             required, optional = {}, FALLBACK_STATE  # waiting for its first statistics
+        elif id(param) in buffers_only and isinstance(state, dict) and set(state) <= set(optional):
+            required = {}
         _check_state(where, state, param, required, optional, fix)
 
 
@@ -96,6 +104,36 @@ def _check_group(index: int, saved: dict, group: dict, optimizer, fix: str) -> N
             f"{tuple(group['structures'])} here; construct the optimizer with "
             f"structures={tuple(trial['structures'])} to load it"
         )
+
+
+def by_index(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` keyed by parameter index, as :meth:`Optimizer.state_dict` keys it.
+
+    ``torch.distributed.checkpoint.state_dict.set_optimizer_state_dict`` hands over its
+    state keyed by parameter names (the groups' ``params`` list the names in order);
+    torch.optim maps them by position, and so does this.
+    """
+    groups = state_dict["param_groups"]
+    saved = [key for group in groups for key in group["params"]]
+    if all(isinstance(key, int) for key in saved):
+        return state_dict
+    index = {key: i for i, key in enumerate(saved)}
+    unknown = sorted(str(k) for k in state_dict["state"] if k not in index)
+    if unknown:
+        raise CheckpointMismatchError(
+            f"the checkpoint has state for {unknown[:3]}, which its param_groups do not list"
+        )
+    offsets = [0]
+    for group in groups:
+        offsets.append(offsets[-1] + len(group["params"]))
+    return {
+        **state_dict,
+        "state": {index[key]: value for key, value in state_dict["state"].items()},
+        "param_groups": [
+            {**group, "params": list(range(start, start + len(group["params"])))}
+            for group, start in zip(groups, offsets, strict=False)
+        ],
+    }
 
 
 def with_added_hyperparameters(saved: dict, group: dict) -> dict:

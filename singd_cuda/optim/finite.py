@@ -60,6 +60,19 @@ class FiniteCheck:
             # one fused pass, no temporaries: multiplies by exactly 1 and flags inf/nan
             torch._amp_foreach_non_finite_check_and_unscale_(group, found, self._buffers[device][1])
 
+    def merged(self, device: torch.device) -> Tensor:
+        """Every device's flags summed into a new (reasons,) float32 tensor on ``device``
+        (for an all-reduce between ranks; no read)."""
+        out = torch.zeros(self._reasons, dtype=torch.float32, device=device)
+        for flags, _ in self._buffers.values():
+            out.add_(flags.to(device))
+        return out
+
+    def raise_(self, flags: Tensor) -> None:
+        """Raise the flags raised in ``flags`` ((reasons,), e.g. agreed between ranks)."""
+        self.flag(flags.device, 0)  # the buffers of flags' device
+        self._buffers[flags.device][0].add_(flags)
+
     def verdict(self) -> int | None:
         raised = [False] * self._reasons
         for flags, _ in self._buffers.values():

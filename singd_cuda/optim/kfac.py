@@ -91,6 +91,10 @@ class KfacRule(LayerRule):
         natural = state["G_inv"].to(G.dtype) @ G @ state["A_inv"].to(G.dtype)
         sgd_update_(layer.params, split_matrix(layer, natural), states, group, seed)
 
+    def natural_rows(self, layer, group, state, G: Tensor, rows: slice, step: int) -> Tensor:
+        """Rows ``rows`` of G_inv ∇W A_inv (G holds every row)."""
+        return state["G_inv"][rows].to(G.dtype) @ G @ state["A_inv"].to(G.dtype)
+
 
 class KFAC(KroneckerOptimizer):
     """Dense K-FAC: ``KFAC(model, lr=1e-3, momentum=0.9, damping=1e-3, weight_decay=0.0,

@@ -349,6 +349,21 @@ class SingdRule(LayerRule):
         # parameters
         return list(CCt.matmul_(KKt.gradients_times_transpose(layers, dtype, inv_scale)).unbind(0))
 
+    def row_local(self, group: dict) -> bool:
+        """A diagonal C: rows of (C Cᵀ) G (K Kᵀ) need only the same rows of G."""
+        return self._classes(group)[1].name == Diagonal.name
+
+    def natural_rows(self, layer, group, state, G: Tensor, rows: slice, step: int) -> Tensor:
+        """Rows ``rows`` of Ĝ = (C Cᵀ) G (K Kᵀ); for a diagonal C, G holds only those rows."""
+        if not self.row_local(group):
+            return self._natural(layer, group, state, G, step)[rows]
+        f = self._factors(layer, group, state)
+        K = f["K"]
+        _, KKt = self._outer_products(layer, group, state, f, step)
+        right = K.matmul(K.rmatmul(G.T)) if KKt is None else KKt.matmul(G.T)  # (G K Kᵀ)ᵀ
+        c2 = f["C"].parts["diag"][rows].to(G.dtype).square()
+        return right.T * c2[:, None]
+
     def _natural(self, layer, group, state, G: Tensor, step: int) -> Tensor:
         """Ĝ = (C Cᵀ) G (K Kᵀ) of one layer, for G (d_C, d_K)."""
         f = self._factors(layer, group, state)
