@@ -27,6 +27,7 @@ RECORDS = {
     "structures.md": "structures.md",
     "depth.md": "depth.md",
     "compile.md": "compile.md",
+    "host_cost.md": "host_cost.md",
     "defaults.md": "defaults.md",
     "defaults_models.md": "defaults_models.md",
     "fsdp.md": "fsdp.md",

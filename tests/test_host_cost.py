@@ -35,7 +35,9 @@ def test_reads_are_counted_at_the_library_call_site(host_cost):
     with host_cost.counting_reads() as counts:
         flags.sum().item()  # this test's own read: not the library's
         bool(torch.ones((), dtype=torch.bool))
-        assert finite.FiniteCheck().all_finite([flags])  # reads its flag inside singd_cuda
+        check = finite.FiniteCheck(reasons=1)
+        check.check([flags], 0)
+        assert check.verdict() is None  # reads its flags inside singd_cuda
         int(torch.ones((), dtype=torch.int64))  # integer host counters are not counted
     assert sum(counts.values()) >= 1
     assert all(site.startswith("singd_cuda/optim/finite.py:") for site in counts)

@@ -215,10 +215,13 @@ class CurvatureCapture:
             staged.calls[call] = weight
 
     def _accumulate(self, layer, layer_input, grad_output, weight, into, with_input) -> bool:
-        with torch.autocast(grad_output.device.type, enabled=False):
-            return self._owner._accumulate_statistics(
-                layer, layer_input, grad_output, weight, into.statistics, with_input
-            )
+        accumulate = self._owner._accumulate_statistics
+        args = (layer, layer_input, grad_output, weight, into.statistics, with_input)
+        device_type = grad_output.device.type
+        if not torch.is_autocast_enabled(device_type):  # no context to leave (it costs µs)
+            return accumulate(*args)
+        with torch.autocast(device_type, enabled=False):
+            return accumulate(*args)
 
     def _on_accumulated(self, layer: Layer, weight: Tensor) -> None:
         staged = self._staged.pop(layer, None)
@@ -375,9 +378,12 @@ class _LayerHook(_InertCopies):
             if capture is not None:
                 capture._saw(capture._layers[self._index], output)
             return None
-        token = capture_ops.mark(self._forward, output, self._handle, self._index)
-        if not torch.compiler.is_compiling() and not token[0]:
-            return None
+        if torch.compiler.is_compiling():
+            token = capture_ops.mark(self._forward, output, self._handle, self._index)
+        else:
+            token = capture_ops.token_fields(output, self._handle, self._index)
+            if not token[0]:
+                return None
         layer_input = (args[0] if args else next(iter(kwargs.values()))).detach()
         return capture_ops.Stage.apply(
             output, token, layer_input, self._probe, self._handle, self._index

@@ -17,7 +17,8 @@ three ops into the graph, each running the capture's Python at run time, compile
 
 A capture is found by an integer ``handle`` (ops take no Python objects); a collected
 capture's ops do nothing. Eager code calls the same functions directly (:func:`_in_graph`):
-an op's dispatch costs ~50 µs a call on a CPU, the direct call ~10.
+an op's dispatch costs ~50 µs a call on a CPU, the direct call ~10; an eager layer call
+keeps its token's fields as a tuple (:func:`token_fields`) rather than making a tensor.
 """
 
 from __future__ import annotations
@@ -66,19 +67,31 @@ def _begin(counter: Tensor, handle: int, batch: int, grad_enabled: bool) -> None
         capture._on_model_forward(int(batch))
 
 
-def _mark(counter: Tensor, output: Tensor, handle: int, index: int) -> Tensor:
+def token_fields(output: Tensor, handle: int, index: int) -> tuple[int, int, int]:
+    """(takes statistics, call, w) of a layer call: the fields of its ``mark`` token, which
+    eager calls keep as they are (no tensor made)."""
     capture = _lookup(handle)
-    fields = (0, 0, 0) if capture is None else capture._on_forward(index, output)
-    return torch.tensor(fields, dtype=torch.int64, device="cpu")
+    return (0, 0, 0) if capture is None else capture._on_forward(index, output)
+
+
+def _mark(counter: Tensor, output: Tensor, handle: int, index: int) -> Tensor:
+    return torch.tensor(token_fields(output, handle, index), dtype=torch.int64, device="cpu")
+
+
+def stage_fields(
+    grad_output: Tensor, layer_input: Tensor, fields: tuple[int, int, int], handle: int, index: int
+) -> None:
+    """Stage the statistics of the layer call whose token has ``fields``."""
+    takes, call, weight = fields
+    capture = _lookup(handle) if takes else None
+    if capture is not None:
+        capture._on_grad(index, layer_input, grad_output, call, float(weight))
 
 
 def _stage(
     grad_output: Tensor, layer_input: Tensor, token: Tensor, handle: int, index: int
 ) -> Tensor:
-    takes, call, weight = token.tolist()
-    capture = _lookup(handle) if takes else None
-    if capture is not None:
-        capture._on_grad(index, layer_input, grad_output, call, float(weight))
+    stage_fields(grad_output, layer_input, token.tolist(), handle, index)
     return torch.zeros((), dtype=torch.float32, device="cpu")
 
 
@@ -86,8 +99,8 @@ _begin_op = torch.library.custom_op("singd_capture::begin", _begin, mutates_args
 _mark_op = torch.library.custom_op("singd_capture::mark", _mark, mutates_args=())
 _stage_op = torch.library.custom_op("singd_capture::stage", _stage, mutates_args=())
 begin = _in_graph(_begin_op, _begin)
-mark = _in_graph(_mark_op, _mark)
 stage = _in_graph(_stage_op, _stage)
+mark = _mark_op  # traced code only: eager calls take token_fields, no tensor
 
 
 @_mark_op.register_fake
@@ -101,23 +114,35 @@ def _stage_fake(grad_output, layer_input, token, handle, index) -> Tensor:
 
 
 class Stage(torch.autograd.Function):
-    """A copy of a layer output whose backward stages the call's statistics (through
-    :func:`stage`) and passes the output gradient on unchanged. A copy, not the output
-    itself: a custom Function's output that is an input may not be modified in place
-    (``ReLU(inplace=True)``)."""
+    """A copy of a layer output whose backward stages the call's statistics and passes the
+    output gradient on unchanged. A copy, not the output itself: a custom Function's
+    output that is an input may not be modified in place (``ReLU(inplace=True)``).
 
+    ``token``: the ``mark`` op's tensor in traced code, whose backward runs the ``stage``
+    op (and returns the probe's gradient); eager calls pass the fields as a tuple and
+    stage them directly, making no tensor (the probe's gradient is then None, a zero).
+    """
+
+    # forward(ctx, ...) rather than a separate setup_context: with one, every apply binds
+    # its arguments through inspect.signature (~20 µs a layer call)
     @staticmethod
-    def forward(output, token, layer_input, probe, handle: int, index: int) -> Tensor:
+    def forward(ctx, output, token, layer_input, probe, handle: int, index: int) -> Tensor:
+        if isinstance(token, Tensor):
+            ctx.save_for_backward(layer_input, token)
+            ctx.fields = None
+        else:
+            ctx.save_for_backward(layer_input)
+            ctx.fields = token
+        ctx.handle, ctx.index = handle, index
         return output.clone()
 
     @staticmethod
-    def setup_context(ctx, inputs, result) -> None:
-        _, token, layer_input, _, handle, index = inputs
-        ctx.save_for_backward(layer_input, token)
-        ctx.handle, ctx.index = handle, index
-
-    @staticmethod
     def backward(ctx, grad_output: Tensor):
-        layer_input, token = ctx.saved_tensors
-        probe_grad = stage(grad_output, layer_input, token, ctx.handle, ctx.index)
+        if ctx.fields is None:
+            layer_input, token = ctx.saved_tensors
+            probe_grad = stage(grad_output, layer_input, token, ctx.handle, ctx.index)
+        else:
+            (layer_input,) = ctx.saved_tensors
+            stage_fields(grad_output, layer_input, ctx.fields, ctx.handle, ctx.index)
+            probe_grad = None
         return grad_output, None, None, probe_grad, None, None

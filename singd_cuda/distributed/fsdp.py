@@ -328,10 +328,9 @@ class RowShards:
         return naturals
 
     # ---------------------------------------------------------------- checks
-    def all_finite(self, tensors: Sequence[Tensor], check) -> bool:
-        """Whether every shard of every tensor is finite, agreed by all ranks (one
-        all-reduce of a flag over the optimizer's group)."""
-        ok = check.all_finite([local(t) for t in tensors])
-        flag = torch.tensor([0.0 if ok else 1.0], device=self.mesh.device_type)
-        dist.all_reduce(flag, group=self.optimizer_group)
-        return float(flag) == 0.0
+    def agree(self, check) -> None:
+        """Raise on every rank the non-finite flags any rank raised (one all-reduce of the
+        flags over the optimizer's group; nothing is read to the host here)."""
+        flags = check.merged(torch.device(self.mesh.device_type))
+        dist.all_reduce(flags, group=self.optimizer_group)
+        check.raise_(flags)

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from ..curvature.layers import Layer
 from ..structures.base import accumulation_dtype
 from . import comm
-from .fsdp import SHARDED_KEYS, RowShards, full_state, localise_state_
+from .fsdp import SHARDED_KEYS, RowShards, full_state, local, localise_state_
 from .ownership import assign_owners
 from .packing import (
     Segment,
@@ -101,11 +101,17 @@ class Synchronizer:
         """The rank updating the factors of ``layer``; None: every rank."""
         return self.owner[layer] if self.distribute_factors else None
 
-    def all_finite(self, tensors: Sequence[Tensor], check) -> bool:
-        """``check.all_finite(tensors)`` agreed by every rank (sharded tensors differ)."""
+    def local_tensors(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        """This rank's parts of ``tensors`` (its shards under FSDP2), for finite checks."""
         if self.shards is None:
-            return check.all_finite(tensors)
-        return self.shards.all_finite(tensors, check)
+            return list(tensors)
+        return [local(t) for t in tensors]
+
+    def agree(self, check) -> None:
+        """Every rank's non-finite flags in ``check`` (a ``FiniteCheck``) raised on every
+        rank: sharded tensors differ between ranks (one all-reduce under FSDP2)."""
+        if self.shards is not None:
+            self.shards.agree(check)
 
     def remove(self) -> None:
         """Remove the hook the synchroniser put on the model."""

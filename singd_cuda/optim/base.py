@@ -59,6 +59,8 @@ from .finite import FactorUndo, FiniteCheck, tensors_of
 Schedule = float | Callable[[int], float]
 
 
+# the reasons of a skipped step, by priority (FiniteCheck flags)
+_SCALER, _GRADIENT, _STATISTICS, _FACTORS = range(4)
 STEP_NOT_COMPILED = (
     "singd_cuda optimizers step eagerly: compile the model, not optimizer.step (docs/compile.md)"
 )
@@ -274,8 +276,8 @@ class KroneckerOptimizer(Optimizer):
         self._pending: dict[Layer, dict] = {}  # this step's normalised statistics
         # layer states first created by this step's statistics: (param, previous state)
         self._created: dict[Layer, list[tuple[Tensor, dict]]] = {}
-        self._finite = FiniteCheck()
-        self._scalars: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+        self._finite = FiniteCheck(reasons=4)
+        self._scalars: dict[tuple, Tensor] = {}  # see _scalar
         self._undo = FactorUndo()
         self._capture: CurvatureCapture | None = None
         self._waiting_warned: set[int] = set()  # weights warned about waiting for statistics
@@ -661,8 +663,6 @@ class KroneckerOptimizer(Optimizer):
             grad_scale, found_inf = self._synchronise(grad_scale, found_inf)
         # states created by statistics that were discarded before the step (zero_grad)
         self._restore_created([layer for layer in self._created if layer not in self._pending])
-        if found_inf is not None and bool(found_inf.item()):
-            return self._skip("")  # the GradScaler skips and backs off; that is routine
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         if any(p.grad is not None and p.grad.is_sparse for p in self._fallback_params):
             raise RuntimeError(
@@ -670,17 +670,15 @@ class KroneckerOptimizer(Optimizer):
                 "or nn.EmbeddingBag with sparse=True): use sparse=False, or train those "
                 "parameters with torch.optim.SparseAdam and leave them out of params="
             )
-        if found_inf is None and not self._all_finite(grads):
-            return self._skip(
-                f"{type(self).__name__}: non-finite gradient, step skipped and statistics "
-                "dropped (use torch.amp.GradScaler for fp16; nonfinite='raise' to raise)"
-            )
-        if not self._finite.all_finite(tensors_of(self._pending)):
-            return self._skip(
-                f"{type(self).__name__}: non-finite curvature statistics (an overflow in the "
-                "layer inputs or output gradients), step skipped and no state changed; "
-                "use a GradScaler or float32 statistics (nonfinite='raise' to raise)"
-            )
+        # every check raises a flag on the device; the step reads them once, after the
+        # factor updates (undone when a flag is raised), before any parameter is written
+        self._finite.reset()
+        if found_inf is not None:
+            self._finite.flag(found_inf.device, _SCALER).copy_(found_inf.reshape(1))
+        else:
+            local = grads if self._sync is None else self._sync.local_tensors(grads)
+            self._finite.check(local, _GRADIENT)
+        self._finite.check(tensors_of(self._pending), _STATISTICS)
         with_grad = [  # those with a gradient (a frozen weight's trained bias counts)
             layer for layer in self._layers if any(p.grad is not None for p in layer.params)
         ]
@@ -689,20 +687,22 @@ class KroneckerOptimizer(Optimizer):
         # step with zero gradients (_init_optim_state), and the layers then take the factor
         # state a checkpoint holds.
         waiting = [layer for layer in with_grad if self._seen_forward and not self._started(layer)]
-        if waiting:
-            self._warn_waiting(waiting)
-            with_grad = [layer for layer in with_grad if layer not in waiting]
+        with_grad = [layer for layer in with_grad if layer not in waiting]
         layers = [layer for layer in with_grad if self._sync is None or self._sync.owns(layer)]
         if self._shards() is not None and any(g["weight_rescale"] for g in self.param_groups):
             raise NotImplementedError(  # before any state changes
                 "weight_rescale=True is not supported with FSDP2-sharded parameters"
             )
-        if not self._update_factors(layers):
-            return self._skip(
-                f"{type(self).__name__}: a factor update produced non-finite values, step "
-                "skipped and every factor restored (use float32 factor_dtype or a larger "
-                "damping; nonfinite='raise' to raise)"
-            )
+        self._update_factors(layers)
+        if self._sync is not None:
+            self._sync.agree(self._finite)  # sharded tensors differ between ranks
+        reason = self._finite.verdict()
+        if reason is not None:
+            self._undo.restore()
+            return self._skip(self._skip_message(reason))
+        self._undo.clear()
+        if waiting:
+            self._warn_waiting(waiting)
         for group in self.param_groups:
             recipe.momentum_from_ratio(group)
         if self._shards() is not None:  # every rank updates its rows of every layer
@@ -739,6 +739,29 @@ class KroneckerOptimizer(Optimizer):
                 raise FloatingPointError(reason)
             warnings.warn(reason, RuntimeWarning, stacklevel=4)
 
+    def _skip_message(self, reason: int) -> str:
+        """The warning (or error) of a step skipped for ``reason`` ('' for the GradScaler's
+        routine skip)."""
+        name = type(self).__name__
+        if reason == _SCALER:
+            return ""  # the GradScaler skips and backs off; that is routine
+        if reason == _GRADIENT:
+            return (
+                f"{name}: non-finite gradient, step skipped and statistics dropped (use "
+                "torch.amp.GradScaler for fp16; nonfinite='raise' to raise)"
+            )
+        if reason == _STATISTICS:
+            return (
+                f"{name}: non-finite curvature statistics (an overflow in the layer inputs "
+                "or output gradients), step skipped and no state changed; use a GradScaler "
+                "or float32 statistics (nonfinite='raise' to raise)"
+            )
+        return (
+            f"{name}: a factor update produced non-finite values, step skipped and every "
+            "factor restored (use float32 factor_dtype or a larger damping; "
+            "nonfinite='raise' to raise)"
+        )
+
     def _forget_statistics(self) -> None:
         self._created.clear()
         self._pending = {}
@@ -750,31 +773,51 @@ class KroneckerOptimizer(Optimizer):
         loss terms w of every counted forward, the output side multiplied by them (for a
         loss averaged over its terms), and the loss scale removed. Layers whose forwards
         held no sample (w = 0) have none."""
-        inv_scale_sq = 1.0 if stats_scale is None else 1.0 / float(stats_scale) ** 2
         pending = {}
+        # (factor, scaled by the loss scale) -> statistics: one multiply per group below
+        scaled: dict[tuple[float, bool], list] = {}
         for layer, committed in self._capture.committed.items():
             statistics = committed.statistics
             if committed.terms <= 0 or not statistics:
                 continue
             terms = committed.terms
             if "in" in statistics:  # norm layers have no input side
-                self._scale_(statistics["in"], 1.0 / terms)
-            out_factor = inv_scale_sq
-            if self.group_of(layer)["loss_average"] is not None:
-                out_factor *= terms
-            self._scale_(statistics["out"], out_factor)
+                scaled.setdefault((1.0 / terms, False), []).append(statistics["in"])
+            out_factor = 1.0 if self.group_of(layer)["loss_average"] is None else terms
+            scaled.setdefault((out_factor, stats_scale is not None), []).append(statistics["out"])
             pending[layer] = statistics
+        for (factor, by_loss_scale), group in scaled.items():
+            if factor != 1.0 or by_loss_scale:
+                self._scale_(group, factor, stats_scale if by_loss_scale else None)
         return pending
 
-    def _scale_(self, statistic, factor: float) -> None:
-        """statistic *= factor through a reused 0-dim buffer (a Python scalar would
-        allocate one per call)."""
-        if factor == 1.0:
-            return
-        key = (statistic.device, accumulation_dtype(statistic.dtype))
-        if key not in self._scalars:
-            self._scalars[key] = torch.zeros((), dtype=key[1], device=key[0])
-        statistic.mul_(self._scalars[key].fill_(factor))
+    def _scale_(self, statistics: list, factor: float, loss_scale: Tensor | None) -> None:
+        """statistic *= factor / loss_scale² for each of ``statistics`` (tensors or
+        structured matrices): one multi-tensor multiply per (device, dtype) for those
+        held in their accumulation dtype, by a 0-dim tensor kept between steps (a Python
+        scalar would allocate one per call; the loss scale stays on the device, unread)."""
+        fused: dict[tuple, list[Tensor]] = {}
+        for statistic in statistics:
+            parts = list(tensors_of(statistic))
+            key = (statistic.device, accumulation_dtype(statistic.dtype))
+            if all(part.dtype == key[1] for part in parts):
+                fused.setdefault(key, []).extend(parts)
+            else:  # low-precision parts: their own rounding on store
+                statistic.mul_(self._scalar(key, factor, loss_scale))
+        for key, tensors in fused.items():
+            torch._foreach_mul_(tensors, self._scalar(key, factor, loss_scale))
+
+    def _scalar(self, key: tuple, factor: float, loss_scale: Tensor | None) -> Tensor:
+        """factor / loss_scale² as a 0-dim tensor of ``key`` = (device, dtype), reused."""
+        if len(self._scalars) > 64:  # many distinct loss-term counts: start over
+            self._scalars.clear()
+        full_key = (*key, factor, loss_scale is not None)
+        scalar = self._scalars.get(full_key)
+        if scalar is None:
+            scalar = self._scalars[full_key] = torch.zeros((), dtype=key[1], device=key[0])
+        if loss_scale is None:
+            return scalar.fill_(factor)
+        return scalar.copy_(loss_scale.reshape(())).reciprocal_().square_().mul_(factor)
 
     def _warn_waiting(self, layers: list[Layer]) -> None:
         """Once per layer: a weight with a gradient but no statistics on a statistics step
@@ -822,18 +865,17 @@ class KroneckerOptimizer(Optimizer):
             saw_samples=self._capture.saw_samples,
         )
 
-    def _update_factors(self, layers: list[Layer]) -> bool:
-        """Update the factors of ``layers`` from this step's statistics; False (and every
-        factor as it was) when a result is not finite."""
+    def _update_factors(self, layers: list[Layer]) -> None:
+        """Update the factors of ``layers`` from this step's statistics, saving what they
+        overwrite in ``self._undo``, and flag a non-finite result (the step restores)."""
+        updated = [layer for layer in layers if layer in self._pending]
+        states = [self._layer_state(layer, self.group_of(layer)) for layer in updated]
+        self._undo.save(states)
         stacks: dict[tuple, list[tuple[Layer, dict, dict]]] = {}
-        for layer in layers:
-            pending = self._pending.get(layer)
-            if pending is None:
-                continue
+        for layer, state in zip(updated, states, strict=True):
+            pending = self._pending[layer]
             group = self.group_of(layer)
             rule = self.rule_for(group)
-            state = self._layer_state(layer, group)
-            self._undo.save(state)
             if self._sync is not None and self._sync.distribute_factors:
                 rule.finish_shared(layer, group, state, pending)
             if not rule.start_factors(layer, group, state, pending):
@@ -849,11 +891,7 @@ class KroneckerOptimizer(Optimizer):
             self.rule_for(group).update_factors_many(
                 stacked_layers, group, states, pendings, group["step"]
             )
-        if self._finite.all_finite(self._undo.updated()):
-            self._undo.clear()
-            return True
-        self._undo.restore()
-        return False
+        self._finite.check(self._undo.updated(), _FACTORS)
 
     def _layer_step(
         self, layer: Layer, grad_scale: Tensor | None, fused: dict[int, list[Layer]]
@@ -894,11 +932,6 @@ class KroneckerOptimizer(Optimizer):
         """The FSDP2 part of the step (:class:`~singd_cuda.distributed.fsdp.RowShards`),
         or None when the parameters are not sharded."""
         return None if self._sync is None else self._sync.shards
-
-    def _all_finite(self, tensors: list[Tensor]) -> bool:
-        if self._sync is None:
-            return self._finite.all_finite(tensors)
-        return self._sync.all_finite(tensors, self._finite)
 
     def _sharded_layer_step(self, layers: list[Layer], grad_scale: Tensor | None) -> None:
         """Every rank updates its rows of every layer (FSDP2; the owner of a layer, or

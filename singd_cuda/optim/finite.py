@@ -1,8 +1,9 @@
 """Never silently wrong: finite checks over many tensors, and undo of factor updates.
 
 A step skipped for a non-finite gradient, statistic or factor changes no state. The
-factor updates run before any parameter is written; :class:`FactorUndo` keeps what they
-overwrite so that a non-finite result can be undone.
+checks raise flags on the device and the step reads them once, after the factor updates
+(which run before any parameter is written); :class:`FactorUndo` keeps what those
+overwrite so that they can be undone when a flag is raised.
 """
 
 from __future__ import annotations
@@ -17,37 +18,67 @@ from ..structures.base import StructuredMatrix
 
 
 class FiniteCheck:
-    """``all_finite(tensors)``: one fused pass per (device, dtype), reused buffers."""
+    """The non-finite verdict of a step, raised on the device and read once.
 
-    def __init__(self) -> None:
+    ``check(tensors, reason)`` runs one fused pass per (device, dtype) that raises the flag
+    ``reason`` (an index below ``reasons``) when a tensor holds an inf or a nan; it reads
+    nothing back. ``verdict()`` reads every flag at once (one transfer per device, so one
+    synchronisation on a single-device model): the lowest raised reason, or None.
+    ``reset()`` lowers every flag (one op per device) for the next step.
+    """
+
+    def __init__(self, reasons: int) -> None:
+        self._reasons = reasons
+        # device -> (flags (reasons,), one (1,)), float32 whatever the default dtype
+        # (the fused op's contract); flags[i : i + 1] is the op's found_inf for reason i
         self._buffers: dict[torch.device, tuple[Tensor, Tensor]] = {}
 
-    def all_finite(self, tensors: Iterable[Tensor]) -> bool:
+    def reset(self) -> None:
+        for flags, _ in self._buffers.values():
+            flags.zero_()
+
+    def flag(self, device: torch.device, reason: int) -> Tensor:
+        """The (1,) float32 flag of ``reason`` on ``device`` (> 0: raised)."""
+        if device not in self._buffers:
+            self._buffers[device] = (
+                torch.zeros(self._reasons, dtype=torch.float32, device=device),
+                torch.ones(1, dtype=torch.float32, device=device),
+            )
+        return self._buffers[device][0][reason : reason + 1]
+
+    def check(self, tensors: Iterable[Tensor], reason: int) -> None:
         groups: dict[tuple, list[Tensor]] = {}
         for t in tensors:
             if t.numel():
                 groups.setdefault((t.device, t.dtype, t.is_sparse), []).append(t)
-        found_on: dict[torch.device, Tensor] = {}
         for (device, _, sparse), group in groups.items():
+            found = self.flag(device, reason)
             if sparse:
-                if not all(bool(torch.isfinite(t.coalesce().values()).all()) for t in group):
-                    return False
+                for t in group:
+                    found.add_(torch.isfinite(t.coalesce().values()).all().logical_not())
                 continue
-            if device not in found_on:
-                found_on[device] = self._found(device)
-            found, one = self._buffers[device]
             # one fused pass, no temporaries: multiplies by exactly 1 and flags inf/nan
-            torch._amp_foreach_non_finite_check_and_unscale_(group, found, one)
-        return not any(bool(found) for found in found_on.values())
+            torch._amp_foreach_non_finite_check_and_unscale_(group, found, self._buffers[device][1])
 
-    def _found(self, device: torch.device) -> Tensor:
-        if device not in self._buffers:
-            self._buffers[device] = (  # float32 whatever the default dtype (the op's contract)
-                torch.zeros(1, dtype=torch.float32, device=device),
-                torch.ones(1, dtype=torch.float32, device=device),
-            )
-        found = self._buffers[device][0]
-        return found.zero_()
+    def merged(self, device: torch.device) -> Tensor:
+        """Every device's flags summed into a new (reasons,) float32 tensor on ``device``
+        (for an all-reduce between ranks; no read)."""
+        out = torch.zeros(self._reasons, dtype=torch.float32, device=device)
+        for flags, _ in self._buffers.values():
+            out.add_(flags.to(device))
+        return out
+
+    def raise_(self, flags: Tensor) -> None:
+        """Raise the flags raised in ``flags`` ((reasons,), e.g. agreed between ranks)."""
+        self.flag(flags.device, 0)  # the buffers of flags' device
+        self._buffers[flags.device][0].add_(flags)
+
+    def verdict(self) -> int | None:
+        raised = [False] * self._reasons
+        for flags, _ in self._buffers.values():
+            for i, value in enumerate(flags.tolist()):  # the step's one device->host read
+                raised[i] = raised[i] or value > 0
+        return next((i for i, r in enumerate(raised) if r), None)
 
 
 def tensors_of(value: Any) -> Iterator[Tensor]:
@@ -79,29 +110,41 @@ class FactorUndo:
         self._vectors: dict[int, Tensor] = {}
         self._saved: list[tuple[dict, dict]] = []
 
-    def save(self, state: dict) -> None:
-        self._saved.append((state, self._copy(state)))
+    def save(self, states: Iterable[dict]) -> None:
+        """Save ``states`` (before any of them is updated): the vectors in one
+        multi-tensor copy."""
+        targets: list[Tensor] = []
+        sources: list[Tensor] = []
+        for state in states:
+            self._saved.append((state, self._copy(state, targets, sources)))
+        if targets:
+            torch._foreach_copy_(targets, sources)
 
-    def _copy(self, state: dict) -> dict:
+    def _copy(self, state: dict, targets: list[Tensor], sources: list[Tensor]) -> dict:
+        """The saved entries of ``state``: matrices cloned now, vectors' buffers queued
+        in ``targets`` to be copied from ``sources``."""
         copy = {}
         for key, value in state.items():
             if key in self._skip:
                 continue
             if isinstance(value, dict):
-                copy[key] = self._copy(value)
+                copy[key] = self._copy(value, targets, sources)
             elif isinstance(value, Tensor):
-                copy[key] = self._saved_tensor(value)
+                if value.dim() > 1:
+                    copy[key] = value.clone()
+                else:
+                    copy[key] = self._buffer(value)
+                    targets.append(copy[key])
+                    sources.append(value)
             else:
                 copy[key] = value
         return copy
 
-    def _saved_tensor(self, value: Tensor) -> Tensor:
-        if value.dim() > 1:
-            return value.clone()
+    def _buffer(self, value: Tensor) -> Tensor:
         buffer = self._vectors.get(id(value))
         if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
             buffer = self._vectors[id(value)] = torch.empty_like(value)
-        return buffer.copy_(value)
+        return buffer
 
     def updated(self) -> Iterator[Tensor]:
         """The floating-point tensors of the saved states (as they are now)."""

@@ -43,7 +43,8 @@ def damped_inverse(factor: Tensor, damping: float, method: str) -> Tensor:
     eye = torch.eye(F.shape[0], dtype=F.dtype, device=F.device)
     if method == "inverse":
         return torch.linalg.inv(F + damping * eye)
-    eigenvalues, Q = torch.linalg.eigh(F)
+    # a non-finite F (its step is skipped and F restored) must not make eigh raise
+    eigenvalues, Q = torch.linalg.eigh(F.nan_to_num(0.0, 0.0, 0.0))
     return (Q / (eigenvalues + damping)) @ Q.T
 
 

@@ -409,8 +409,8 @@ def _factor_step(
 ) -> None:
     """SINGD's factor update of one layer, in place on f's "K", "C", "m_K", "m_C" (H_K and
     H_C are consumed): m̂ = ½[scale_H·H + λ·scale_inner·Π̂(FᵀF) − I], m ← α₁m + m̂,
-    F ← F(I − β₁m). The trace scales stay tensors (no sync; vmap-safe) unless
-    ``normalize`` (β₁ / max(1, max|m|), per layer only)."""
+    F ← F(I − β₁m). The trace scales stay tensors (no sync; vmap-safe), and so does
+    β₁ / max(1, max|m|) with ``normalize`` (per layer only)."""
     K, C = f["K"], f["C"]
     dtype = accumulation_dtype(K.dtype, C.dtype, H_K.dtype)
     KtK = K.project_inner().to(dtype)
@@ -434,9 +434,12 @@ def _factor_step(
         m_hat = H.mul_(scale_H * half).add_(inner.mul_(scale_inner * (half * damping)))
         m_hat.add_identity_(-half)
         m = f[f"m_{side}"].mul_(alpha1).add_(m_hat)
-        beta1 = lr_cov / max(1.0, float(m.abs_max())) if normalize else lr_cov
         factor = f[side]
-        factor.add_(factor @ m, alpha=-beta1)
+        if normalize:  # -β₁ / max(1, max|m|) as a 0-dim tensor: no read to the host
+            step = m.abs_max().clamp_min_(1.0).reciprocal_().mul_(-lr_cov)
+            factor.add_((factor @ m).mul_(step))
+        else:
+            factor.add_(factor @ m, alpha=-lr_cov)
 
 
 class DiagonalSquares(NamedTuple):

@@ -1,0 +1,64 @@
+"""A steady-state step on CUDA synchronises at most once: the non-finite verdict, read
+after the factor updates (tests/optim/test_device_reads.py counts the same reads on the
+CPU). ``torch.cuda.set_sync_debug_mode("warn")`` makes every synchronising call warn; the
+test counts those warnings over a few steps (with ``"error"`` the one allowed read would
+raise). K-FAC runs between inversions (an inversion's LAPACK info check synchronises)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from singd_cuda import KFAC, SINGD, AdaFisher
+
+pytestmark = pytest.mark.gpu
+
+ITERATIONS = 4
+OPTIMIZERS = {
+    "singd-diagonal": lambda m: SINGD(m, lr=1e-3, structures="diagonal", T=1),
+    "singd-block_diagonal:32": lambda m: SINGD(m, lr=1e-3, structures="block_diagonal:32", T=1),
+    "singd-dense": lambda m: SINGD(m, lr=1e-3, structures="dense", T=1),
+    "adafisher": lambda m: AdaFisher(m, lr=1e-3, T=1),
+    "kfac": lambda m: KFAC(m, lr=1e-3, T=1, T_inv=10**9),
+}
+
+
+def _iterate(model, opt, x, y, scaler) -> None:
+    opt.zero_grad()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = F.cross_entropy(model(x).float(), y)
+    if scaler is None:
+        loss.backward()
+        opt.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "grad_scaler"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_at_most_one_sync_per_steady_state_step(cuda_ops, name, scaled):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 10)).cuda()
+    opt = OPTIMIZERS[name](model)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**8) if scaled else None
+    x = torch.randn(32, 64, device="cuda")
+    y = torch.randint(0, 10, (32,), device="cuda")
+    for _ in range(3):  # first statistics, warm start, state creation
+        _iterate(model, opt, x, y, scaler)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(ITERATIONS):
+                _iterate(model, opt, x, y, scaler)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) <= ITERATIONS, syncs

@@ -1,0 +1,78 @@
+"""A steady-state step reads the device at most once: the non-finite verdict (flags raised
+on the device by every check, read together after the factor updates). Counted with
+benchmarks/host_cost.py's ``counting_reads``: calls of ``Tensor.item``, ``__bool__``,
+``__float__``, ``__int__``, ``tolist`` on floating-point or boolean tensors from inside
+singd_cuda. With a GradScaler the count is the same (the scaler's found_inf joins the
+flags instead of being read on its own)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from singd_cuda import KFAC, SINGD, AdaFisher
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "host_cost.py"
+ITERATIONS = 4
+
+OPTIMIZERS = {
+    "singd-diagonal": lambda m: SINGD(m, lr=1e-3, structures="diagonal", T=1),
+    "singd-block_diagonal:32": lambda m: SINGD(m, lr=1e-3, structures="block_diagonal:32", T=1),
+    "singd-dense": lambda m: SINGD(m, lr=1e-3, structures="dense", T=1),
+    "singd-dense-normalize_lr_cov": lambda m: SINGD(
+        m, lr=1e-3, structures="dense", T=1, normalize_lr_cov=True
+    ),
+    "ikfac": lambda m: SINGD(m, lr=1e-3, structures="dense", T=1, kfac_like=True),
+    "adafisher": lambda m: AdaFisher(m, lr=1e-3, T=1),
+    "kfac": lambda m: KFAC(m, lr=1e-3, T=1),
+    "singd-diagonal-T3": lambda m: SINGD(m, lr=1e-3, structures="diagonal", T=3),
+}
+
+
+@pytest.fixture(scope="module")
+def counting_reads():
+    sys.path.insert(0, str(SCRIPT.parent))  # host_cost imports vs_peers beside it
+    spec = importlib.util.spec_from_file_location("host_cost_for_reads", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+        yield module.counting_reads
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+        sys.modules.pop("vs_peers", None)
+
+
+def _iterate(model, opt, x, y, scaler) -> None:
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    if scaler is None:
+        loss.backward()
+        opt.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "grad_scaler"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_at_most_one_read_per_steady_state_step(counting_reads, name, scaled):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 40), nn.Tanh(), nn.Linear(40, 6))
+    opt = OPTIMIZERS[name](model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if scaled else None
+    x, y = torch.randn(16, 12), torch.randint(0, 6, (16,))
+    for _ in range(3):  # first statistics, warm start, state creation
+        _iterate(model, opt, x, y, scaler)
+    with counting_reads() as reads:
+        for _ in range(ITERATIONS):
+            _iterate(model, opt, x, y, scaler)
+    assert sum(reads.values()) <= ITERATIONS, dict(reads)
+    assert all("finite.py" in site for site in reads), dict(reads)
+    assert torch.isfinite(next(model.parameters())).all()
