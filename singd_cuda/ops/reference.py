@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+from einops import reduce
 from torch import Tensor
 from torch.nn.modules.utils import _pair
 
@@ -221,10 +222,10 @@ def conv2d_patch_sum_squares(
     dilation: int | Sequence[int] = 1,
     groups: int = 1,
 ) -> Tensor:
-    batch, channels, height, width = x.shape
-    xf = x.to(_opmath(x.dtype)).reshape(batch, groups, channels // groups, height, width)
+    # a grouped layer's input side is the mean over its groups' channels
+    per_group = reduce(x.to(_opmath(x.dtype)), "n (g c) h w -> n c h w", "mean", g=groups)
     patches = F.unfold(
-        xf.mean(1),
+        per_group,
         _pair(kernel_size),
         dilation=_pair(dilation),
         padding=_pair(padding),
