@@ -193,13 +193,30 @@ class AdaFisherRule(LayerRule):
         return (ADAFISHER, ADAFISHER)
 
     def update_factors(self, layer, group, state, pending, step: int) -> None:
-        self._normalised.forget(layer)
-        decay = group["ema_decay"]
-        for key, new in (("h", pending["in"]), ("s", pending["out"])):
-            # lerp_ takes its weight as a scalar; mul_(decay) would allocate a 0-dim tensor
-            ema = state[key].to(new.dtype).lerp_(new, 1.0 - decay)
-            if ema is not state[key]:
-                state[key].copy_(ema)
+        self.update_factors_many([layer], group, [state], [pending], step)
+
+    def group_key(self, layer, group, state) -> str:
+        """Every layer of a group: the EMA is elementwise, whatever the shapes."""
+        return ADAFISHER
+
+    def update_factors_many(self, layers, group, states, pendings, step: int) -> None:
+        """h ← γh + (1−γ)h_new and s ← γs + (1−γ)s_new of every layer in one
+        ``torch._foreach_lerp_`` (elementwise, so bitwise the same as one lerp_ a vector)."""
+        emas, news, targets, casts = [], [], [], []
+        for layer, state, pending in zip(layers, states, pendings, strict=True):
+            self._normalised.forget(layer)
+            for key, new in (("h", pending["in"]), ("s", pending["out"])):
+                ema = state[key]
+                if ema.dtype != new.dtype:  # a low-precision factor: the EMA in new's dtype
+                    targets.append(ema)
+                    ema = ema.to(new.dtype)
+                    casts.append(ema)
+                emas.append(ema)
+                news.append(new)
+        # lerp_ takes its weight as a scalar; mul_(decay) would allocate a 0-dim tensor
+        torch._foreach_lerp_(emas, news, 1.0 - group["ema_decay"])
+        if casts:
+            torch._foreach_copy_(targets, casts)
 
     def fuses_apply(self, group: dict) -> bool:
         return True
