@@ -160,11 +160,54 @@ def _normalised(s: Tensor, h: Tensor, acc: torch.dtype, out: tuple | None) -> tu
     return out
 
 
+class StackedNormalise:
+    """:func:`min_max_normalise` of many vectors in one pass per set of equal length,
+    dtypes and device: the vectors are copied into the rows of an (L, d) scratch, whose
+    rows are normalised by broadcasting over (L, 1) minima and spans, and copied out.
+    Elementwise the same arithmetic as one vector at a time, so bitwise the same result.
+
+    The scratch of each set of output buffers is kept for the next call with the same
+    set (a set not seen in the last call that had pairs is dropped): warm steps allocate nothing.
+    """
+
+    def __init__(self) -> None:
+        self._scratch: dict[tuple[int, ...], tuple[Tensor, ...]] = {}
+
+    def __call__(self, pairs: list[tuple[Tensor, Tensor]]) -> None:
+        """Write min_max_normalise(v) into ``out`` for every (v (d,), out (d,)) pair."""
+        if not pairs:
+            return  # a step without a factor update: keep the scratch for the next one
+        sets: dict[tuple, list[tuple[Tensor, Tensor]]] = {}
+        for v, out in pairs:
+            sets.setdefault((v.numel(), v.dtype, out.dtype, out.device), []).append((v, out))
+        kept = {}
+        for members in sets.values():
+            key = tuple(id(out) for _, out in members)
+            scratch = self._scratch.get(key)
+            if scratch is None:
+                out = members[0][1]
+                rows = out.new_empty((len(members), out.numel()))
+                scalars = out.new_empty((3, len(members), 1))
+                scratch = (rows, *scalars.unbind(), normalise_scratch(out)[3])
+            kept[key] = scratch
+            rows, low, span, constant, one = scratch
+            vectors = list(rows.unbind())
+            torch._foreach_copy_(vectors, [v for v, _ in members])
+            torch.aminmax(rows, dim=1, keepdim=True, out=(low, span))
+            span.sub_(low)
+            torch.sub(one, torch.sign(span, out=constant), out=constant)
+            span.add_(constant).clamp_min_(torch.finfo(rows.dtype).tiny)
+            rows.sub_(low).add_(constant).div_(span)
+            torch._foreach_copy_([out for _, out in members], vectors)
+        self._scratch = kept
+
+
 class AdaFisherRule(LayerRule):
     """AdaFisher's diagonal statistics, EMA and Adam-style preconditioned update."""
 
     def __init__(self) -> None:
         self._normalised = DerivedCache()  # (s′, h′) between factor updates
+        self._normalise_many = StackedNormalise()
 
     def init_state(self, layer: Layer, group: dict, state: dict) -> None:
         dtype = group["factor_dtype"] or layer.weight.dtype
@@ -193,13 +236,30 @@ class AdaFisherRule(LayerRule):
         return (ADAFISHER, ADAFISHER)
 
     def update_factors(self, layer, group, state, pending, step: int) -> None:
-        self._normalised.forget(layer)
-        decay = group["ema_decay"]
-        for key, new in (("h", pending["in"]), ("s", pending["out"])):
-            # lerp_ takes its weight as a scalar; mul_(decay) would allocate a 0-dim tensor
-            ema = state[key].to(new.dtype).lerp_(new, 1.0 - decay)
-            if ema is not state[key]:
-                state[key].copy_(ema)
+        self.update_factors_many([layer], group, [state], [pending], step)
+
+    def group_key(self, layer, group, state) -> str:
+        """Every layer of a group: the EMA is elementwise, whatever the shapes."""
+        return ADAFISHER
+
+    def update_factors_many(self, layers, group, states, pendings, step: int) -> None:
+        """h ← γh + (1−γ)h_new and s ← γs + (1−γ)s_new of every layer in one
+        ``torch._foreach_lerp_`` (elementwise, so bitwise the same as one lerp_ a vector)."""
+        emas, news, targets, casts = [], [], [], []
+        for layer, state, pending in zip(layers, states, pendings, strict=True):
+            self._normalised.forget(layer)
+            for key, new in (("h", pending["in"]), ("s", pending["out"])):
+                ema = state[key]
+                if ema.dtype != new.dtype:  # a low-precision factor: the EMA in new's dtype
+                    targets.append(ema)
+                    ema = ema.to(new.dtype)
+                    casts.append(ema)
+                emas.append(ema)
+                news.append(new)
+        # lerp_ takes its weight as a scalar; mul_(decay) would allocate a 0-dim tensor
+        torch._foreach_lerp_(emas, news, 1.0 - group["ema_decay"])
+        if casts:
+            torch._foreach_copy_(targets, casts)
 
     def fuses_apply(self, group: dict) -> bool:
         return True
@@ -213,22 +273,35 @@ class AdaFisherRule(LayerRule):
         Layers with equal counts share one op call (one call when all started together).
         """
         by_count: dict[int, tuple[int, DiagonalBatch]] = {}
+        stale: list[tuple[Tensor, Tensor]] = []  # (s or h, its s′ or h′ buffer) to refresh
         for position, (layer, layer_states) in enumerate(zip(layers, states, strict=True)):
-            s, h = self._counted_scales(layer, layer_states[0])
+            s, h = self._counted_scales(layer, layer_states[0], stale)
             count = layer_states[0]["step"]
             if count not in by_count:
                 by_count[count] = (position, DiagonalBatch())
             by_count[count][1].add(layer, layer_states, s, h, "exp_avg")
+        self._normalise_many(stale)
         for count, (position, batch) in by_count.items():
             # the first layer's position: distinct random bits
             self._step_batch(batch, group, inv_scale, step, count, seed + position)
 
-    def _counted_scales(self, layer: Layer, state: dict) -> tuple[Tensor, Tensor]:
-        """(s′, h′) of the layer, counting one more update of it (its bias correction)."""
+    def _counted_scales(
+        self, layer: Layer, state: dict, stale: list | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """(s′, h′) of the layer, counting one more update of it (its bias correction).
+        With ``stale`` given, values to recompute are queued there as (source, buffer)
+        pairs for :class:`StackedNormalise` instead (the buffers are filled by it)."""
         acc = accumulation_dtype(layer.weight.dtype)
-        s, h, _ = self._normalised.get(
-            layer, (state["s"], state["h"]), lambda s, h, out: _normalised(s, h, acc, out)
-        )
+
+        def derive(s: Tensor, h: Tensor, out: tuple | None) -> tuple:
+            if stale is None:
+                return _normalised(s, h, acc, out)
+            if out is None:
+                out = (s.new_empty(s.shape, dtype=acc), h.new_empty(h.shape, dtype=acc), None)
+            stale.extend(((s, out[0]), (h, out[1])))
+            return out
+
+        s, h, _ = self._normalised.get(layer, (state["s"], state["h"]), derive)
         state["step"] += 1
         return s, h
 
