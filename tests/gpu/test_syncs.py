@@ -15,6 +15,8 @@ from torch import nn
 
 from singd_cuda import KFAC, SINGD, AdaFisher
 
+from ..loops import backward_and_step
+
 pytestmark = pytest.mark.gpu
 
 ITERATIONS = 4
@@ -31,13 +33,7 @@ def _iterate(model, opt, x, y, scaler) -> None:
     opt.zero_grad()
     with torch.autocast("cuda", dtype=torch.bfloat16):
         loss = F.cross_entropy(model(x).float(), y)
-    if scaler is None:
-        loss.backward()
-        opt.step()
-    else:
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
+    backward_and_step(loss, opt, scaler)
 
 
 @pytest.mark.parametrize("scaled", [False, True], ids=["plain", "grad_scaler"])

@@ -18,6 +18,8 @@ from torch import nn
 
 from singd_cuda import KFAC, SINGD, AdaFisher
 
+from ..loops import backward_and_step
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "host_cost.py"
 ITERATIONS = 4
 
@@ -51,13 +53,7 @@ def counting_reads():
 def _iterate(model, opt, x, y, scaler) -> None:
     opt.zero_grad()
     loss = F.cross_entropy(model(x), y)
-    if scaler is None:
-        loss.backward()
-        opt.step()
-    else:
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
+    backward_and_step(loss, opt, scaler)
 
 
 @pytest.mark.parametrize("scaled", [False, True], ids=["plain", "grad_scaler"])

@@ -17,6 +17,7 @@ import torch
 import singd_cuda.ops as ops
 from singd_cuda import KFAC, SINGD, AdaFisher
 
+from ..loops import backward_and_step
 from .conftest import MODELS, assert_models_equal, loss_fn, random_batches, train
 from .test_checkpoint import model_with_fallback
 
@@ -56,13 +57,7 @@ def run(kind, name, fused, monkeypatch, dtype=torch.float32, scaler=None, **extr
     for x, y in random_batches(kind, STEPS, dtype=dtype):
         opt.zero_grad()
         loss = loss_fn(model(x), y)
-        if scaler is None:
-            loss.backward()
-            opt.step()
-        else:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
+        backward_and_step(loss, opt, scaler)
     return model, opt
 
 
