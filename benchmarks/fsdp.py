@@ -29,6 +29,7 @@ from torch.distributed.fsdp import fully_shard
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from singd_cuda import SINGD
+from singd_cuda.optim.finite import tensors_of
 
 RESULTS = Path(__file__).parent / "results" / "fsdp.md"
 COLLECTIVES = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_to_all_single")
@@ -86,7 +87,7 @@ def state_bytes(model, opt) -> tuple[int, int]:
     factors = buffers = 0
     for param, state in opt.state.items():
         local = param.to_local() if hasattr(param, "to_local") else param
-        for value in _tensors(state):
+        for value in tensors_of(state):
             size = value.numel() * value.element_size()
             if hasattr(value, "to_local"):
                 value = value.to_local()
@@ -96,14 +97,6 @@ def state_bytes(model, opt) -> tuple[int, int]:
             else:
                 factors += size
     return factors, buffers
-
-
-def _tensors(value):
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item)
 
 
 def measure(args, kind: str, counter: Counter) -> dict[str, float]:

@@ -4,30 +4,19 @@ reads a number derived from a timing."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 import singd_cuda.ops as ops
 from singd_cuda.optim import finite
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "host_cost.py"
+from .host_cost_script import loaded
 
 
 @pytest.fixture(scope="module")
 def host_cost():
-    sys.path.insert(0, str(SCRIPT.parent))  # it imports vs_peers beside it
-    spec = importlib.util.spec_from_file_location("host_cost", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
+    with loaded() as module:
         yield module
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
-        sys.modules.pop("vs_peers", None)
 
 
 def test_reads_are_counted_at_the_library_call_site(host_cost):

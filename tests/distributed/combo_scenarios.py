@@ -18,6 +18,7 @@ from torch import nn
 
 from singd_cuda import SINGD
 
+from ..loops import backward_and_step
 from .fsdp_scenarios import full_params, make_model, shard_model
 
 BATCH, STEPS, VOCAB, SEQ = 8, 5, 11, 4
@@ -91,13 +92,7 @@ def run_fsdp_amp(config: dict, rank: int = 0, world: int = 1) -> dict[str, Any]:
         opt.zero_grad()
         with torch.autocast("cpu", dtype=amp_dtype, enabled=config["amp"] != "none"):
             loss = F.cross_entropy(model(x).float(), y)
-        if scaler is None:
-            loss.backward()
-            opt.step()
-        else:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
+        backward_and_step(loss, opt, scaler)
     return {"params": full_params(model), "steps": opt.param_groups[0]["step"]}
 
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from singd_cuda import KFAC, SINGD, AdaFisher
+from singd_cuda.optim.finite import tensors_of
 
 BATCH, STEPS = 8, 6
 F64 = torch.float64
@@ -128,17 +129,9 @@ def run(config: dict, rank: int = 0, world: int = 1) -> dict[str, Any]:
         for layer in opt.layers
         for key, value in opt.state.get(layer.weight, {}).items()
         if key not in ("momentum_buffer", "exp_avg")  # shaped like the (local) parameter
-        for t in _tensors(value)
+        for t in tensors_of(value)
     )
     return {"params": full_params(model), "factor_bytes": factor_bytes, "collectives": collectives}
-
-
-def _tensors(value):
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item)
 
 
 def run_many(rank: int, world: int, jobs: list[dict]) -> list[dict]:

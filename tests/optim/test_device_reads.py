@@ -7,10 +7,6 @@ flags instead of being read on its own)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,9 +14,9 @@ from torch import nn
 
 from singd_cuda import KFAC, SINGD, AdaFisher
 
+from ..host_cost_script import loaded
 from ..loops import backward_and_step
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "host_cost.py"
 ITERATIONS = 4
 
 OPTIMIZERS = {
@@ -39,15 +35,8 @@ OPTIMIZERS = {
 
 @pytest.fixture(scope="module")
 def counting_reads():
-    sys.path.insert(0, str(SCRIPT.parent))  # host_cost imports vs_peers beside it
-    spec = importlib.util.spec_from_file_location("host_cost_for_reads", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
+    with loaded() as module:
         yield module.counting_reads
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
-        sys.modules.pop("vs_peers", None)
 
 
 def _iterate(model, opt, x, y, scaler) -> None:
