@@ -171,7 +171,7 @@ class StackedNormalise:
     """
 
     def __init__(self) -> None:
-        self._scratch: dict[tuple[int, ...], tuple[Tensor, ...]] = {}
+        self._scratch: dict[tuple, tuple[Tensor, ...]] = {}
 
     def __call__(self, pairs: list[tuple[Tensor, Tensor]]) -> None:
         """Write min_max_normalise(v) into ``out`` for every (v (d,), out (d,)) pair."""
@@ -181,8 +181,9 @@ class StackedNormalise:
         for v, out in pairs:
             sets.setdefault((v.numel(), v.dtype, out.dtype, out.device), []).append((v, out))
         kept = {}
-        for members in sets.values():
-            key = tuple(id(out) for _, out in members)
+        for shape, members in sets.items():
+            # ids alone could be reused by buffers of another length (after a load)
+            key = (*shape, *(id(out) for _, out in members))
             scratch = self._scratch.get(key)
             if scratch is None:
                 out = members[0][1]

@@ -10,7 +10,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import singd_cuda.ops as ops
 from singd_cuda import SINGD, AdaFisher
-from singd_cuda.optim.adafisher import min_max_normalise
+from singd_cuda.optim.adafisher import StackedNormalise, min_max_normalise
 
 from .conftest import MODELS, loss_fn, random_batches
 
@@ -53,6 +53,20 @@ def test_min_max_normalise():
     out = torch.empty(2)  # into a float32 buffer, from bfloat16
     assert min_max_normalise(half, out) is out
     torch.testing.assert_close(out, torch.tensor([0.0, 1.0]))
+
+
+def test_stacked_normalise_buffers_of_a_new_length():
+    """A loaded checkpoint replaces the output buffers, and the new ones may reuse the old
+    ids (here: the same objects, resized) with another length."""
+    normalise = StackedNormalise()
+    outs = [torch.empty(8) for _ in range(2)]
+    for length in (8, 3, 8, 5):
+        sources = [torch.randn(length) for _ in outs]
+        for out in outs:
+            out.resize_(length)
+        normalise(list(zip(sources, outs, strict=True)))
+        for v, out in zip(sources, outs, strict=True):
+            torch.testing.assert_close(out, min_max_normalise(v), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("factor_dtype", [torch.float64, torch.bfloat16], ids=str)
