@@ -1,6 +1,7 @@
 """singd_cuda: low-precision structured second-order optimizers for PyTorch."""
 
-from . import structures
+# distributed: importing it plugs torch.distributed into the optimizers (optim.scale_out)
+from . import distributed, structures
 from .curvature import LayerKind, is_supported, register_layer_kind
 from .optim import KFAC, SINGD, AdaFisher
 
@@ -11,6 +12,7 @@ __all__ = [
     "SINGD",
     "AdaFisher",
     "LayerKind",
+    "distributed",
     "is_supported",
     "register_layer_kind",
     "structures",

@@ -12,8 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .. import structures as structure_registry
-
-ADAFISHER = "adafisher"
+from ..optim.adafisher import ADAFISHER
 
 
 def factor_cost(spec: str, dim: int) -> int:

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from ..curvature.layers import Layer
+from ..optim.scale_out import DEFAULT_BUCKET_CAP_MB
 from ..structures.base import accumulation_dtype
 from . import comm
 from .fsdp import SHARDED_KEYS, RowShards, full_state, local, localise_state_
@@ -39,9 +40,6 @@ from .packing import (
     statistic_tensors,
     unpack_tensor_,
 )
-
-DEFAULT_BUCKET_CAP_MB = 64.0
-"""Default ``bucket_cap_mb``: the MiB of one all-reduce bucket of the packed buffer."""
 
 
 class Synchronizer:

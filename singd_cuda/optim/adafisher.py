@@ -23,11 +23,11 @@ from torch import Tensor, nn
 
 from .. import ops
 from ..curvature.layers import Layer
-from ..distributed.synchronizer import DEFAULT_BUCKET_CAP_MB
 from ..structures.base import accumulation_dtype
 from . import hyperparameters as hp
 from .base import KroneckerOptimizer, LayerRule, checked_fallback, scheduled
 from .derived import DerivedCache
+from .scale_out import DEFAULT_BUCKET_CAP_MB
 
 ADAFISHER = "adafisher"
 

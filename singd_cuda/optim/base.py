@@ -11,10 +11,10 @@ t with t % T == 0 the statistics of the forwards/backwards before it update
 the factors, then the gradient is preconditioned with the new factors. A step
 skipped for a non-finite gradient changes no state, not even the counter.
 
-Under torch.distributed a :class:`~singd_cuda.distributed.Synchronizer` averages
-gradients (plain models) and statistics once per step, before any decision, and
-with ``distribute_factors`` each rank steps only the layers it owns (see
-:mod:`singd_cuda.distributed.synchronizer`).
+Under torch.distributed a :class:`~singd_cuda.optim.scale_out.ScaleOut` (plugged in by
+:mod:`singd_cuda.distributed`) averages gradients (plain models) and statistics once per
+step, before any decision, and with ``distribute_factors`` each rank steps only the
+layers it owns.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from .. import ops
+from ..curvature import norm_layers
 from ..curvature.capture import CurvatureCapture, merge_statistics, take_over
 from ..curvature.layers import (
     SUPPORTED_LAYERS,
@@ -47,14 +48,11 @@ from ..curvature.layers import (
     sequence_first_modules,
     split_matrix,
 )
-from ..distributed import comm as dist_comm
-from ..distributed import norm_fisher, recipe
-from ..distributed.ownership import layer_cost
-from ..distributed.synchronizer import DEFAULT_BUCKET_CAP_MB, Synchronizer
 from ..structures.base import accumulation_dtype, upcast
-from . import checkpoint, hyperparameters, summary
+from . import checkpoint, hyperparameters, norm_fisher, recipe, scale_out, summary
 from .fallback import adamw_update_, in_fallback
 from .finite import FactorUndo, FiniteCheck, tensors_of
+from .scale_out import DEFAULT_BUCKET_CAP_MB, ScaleOut
 
 Schedule = float | Callable[[int], float]
 
@@ -266,7 +264,7 @@ class KroneckerOptimizer(Optimizer):
             )
         if nonfinite not in ("warn", "raise"):
             raise ValueError(f"nonfinite must be 'warn' or 'raise', got {nonfinite!r}")
-        model, ddp_wrapped = dist_comm.unwrap(model)  # hooks go on the inner module
+        model, ddp_wrapped = scale_out.plug().unwrap(model)  # hooks go on the inner module
         self.model = model
         self.grad_scaler = grad_scaler
         self.nonfinite = nonfinite
@@ -284,23 +282,17 @@ class KroneckerOptimizer(Optimizer):
         self._batch_checked: set[int] = set()  # weights whose batch dimension was checked
         self._seen_forward = False  # a grad-enabled model forward ran since construction
         self._index_model()
-        self._sync: Synchronizer | None = None
-        if dist_comm.is_active(process_group) or dist_comm.sharded(model):
-            groups = [self.group_of(layer) for layer in self._layers]
-            costs = [
-                layer_cost(self.rule_for(g).factor_structures(g), layer.dim_in, layer.dim_out)
-                for layer, g in zip(self._layers, groups, strict=True)
-            ]
-            self._sync = Synchronizer(
-                model,
-                self._layers,
-                costs,
-                process_group=process_group,
-                distribute_factors=distribute_factors,
-                bucket_cap_mb=bucket_cap_mb,
-                ddp_wrapped=ddp_wrapped,
-                row_local=[self.rule_for(g).row_local(g) for g in groups],
-            )
+        groups = [self.group_of(layer) for layer in self._layers]
+        self._sync: ScaleOut | None = scale_out.plug().attach(
+            model,
+            self._layers,
+            [self.rule_for(g).factor_structures(g) for g in groups],
+            [self.rule_for(g).row_local(g) for g in groups],
+            process_group=process_group,
+            distribute_factors=distribute_factors,
+            bucket_cap_mb=bucket_cap_mb,
+            ddp_wrapped=ddp_wrapped,
+        )
 
     # ---------------------------------------------------------------- set-up
     @abstractmethod
@@ -345,7 +337,7 @@ class KroneckerOptimizer(Optimizer):
         }
         self._layers = self._find_layers(model)
         norm_params = {id(p) for g in self.param_groups if g["norm_fisher"] for p in g["params"]}
-        self._norm_layers = norm_fisher.find_norm_layers(model, lambda p: id(p) in norm_params)
+        self._norm_layers = norm_layers.find_norm_layers(model, lambda p: id(p) in norm_params)
         self._norm_set = set(self._norm_layers)
         sequence_first = sequence_first_modules(model)  # their layers count dimension 1
         self._sequence_first = {x for x in self._layers if id(x.module) in sequence_first}
@@ -475,7 +467,7 @@ class KroneckerOptimizer(Optimizer):
         group = self.group_of(layer)
         loss_average = group["loss_average"]
         if layer in self._norm_set:
-            return norm_fisher.num_terms(layer.module, output, loss_average)
+            return norm_layers.num_terms(layer.module, output, loss_average)
         batch_dim = group["batch_dim"]
         if batch_dim is not None:
             return loss_terms(layer, output, loss_average, batch_dim)
@@ -530,9 +522,9 @@ class KroneckerOptimizer(Optimizer):
         dtype = accumulation_dtype(layer.weight.dtype)
         if layer in self._norm_set:
             loss_average = group["loss_average"]
-            F = norm_fisher.norm_statistic(layer, layer_input, grad_output, loss_average, dtype)
+            F = norm_layers.norm_statistic(layer, layer_input, grad_output, loss_average, dtype)
             if loss_average is not None:  # raw: without the √L the statistic carries
-                F.mul_(1.0 / max(norm_fisher.num_terms(layer.module, grad_output, loss_average), 1))
+                F.mul_(1.0 / max(norm_layers.num_terms(layer.module, grad_output, loss_average), 1))
             merge_statistics(into, {"out": F})
             return True
         rule = self.rule_for(group)
@@ -597,7 +589,7 @@ class KroneckerOptimizer(Optimizer):
         dtype = accumulation_dtype(layer.weight.dtype)
         device = layer.weight.device
         if layer in self._norm_set:
-            return {"out": norm_fisher.empty_norm_statistic(layer, dtype, device)}
+            return {"out": norm_layers.empty_norm_statistic(layer, dtype, device)}
         pending: dict = {}
         a = torch.zeros(0, layer.dim_in, dtype=dtype, device=device)
         g = torch.zeros(0, layer.dim_out, dtype=dtype, device=device)

@@ -12,15 +12,13 @@ optimizer is rejected here rather than failing later inside ``step()``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import Tensor, nn
+from torch.optim import Optimizer
 
 from .fallback import in_fallback
 from .hyperparameters import factor_keys, validate
-
-if TYPE_CHECKING:
-    from .base import KroneckerOptimizer
 
 KIND_KEY = "optimizer"  # state_dict()[KIND_KEY]: the optimizer class name
 
@@ -40,7 +38,7 @@ class CheckpointMismatchError(ValueError):
 
 
 def check_fits(
-    optimizer: KroneckerOptimizer, state_dict: dict[str, Any], buffers_only: set[int] = frozenset()
+    optimizer: Optimizer, state_dict: dict[str, Any], buffers_only: set[int] = frozenset()
 ) -> None:
     """Raise :class:`CheckpointMismatchError` (a ValueError) unless ``state_dict`` fits.
 
@@ -143,7 +141,7 @@ def with_added_hyperparameters(saved: dict, group: dict) -> dict:
     return {**saved, **added}
 
 
-def _expected_states(optimizer: KroneckerOptimizer) -> dict[int, tuple[dict, dict]]:
+def _expected_states(optimizer: Optimizer) -> dict[int, tuple[dict, dict]]:
     """id(param) -> (required entries: the factors; optional entries: key -> shaped like
     the parameter?), by the parameter's role."""
     expected: dict[int, tuple[dict, dict]] = {}

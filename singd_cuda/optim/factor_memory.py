@@ -9,15 +9,12 @@ The sizes come from the rule's own ``init_state`` on the meta device: nothing is
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING
 
 from torch import Tensor
+from torch.optim import Optimizer
 
 from .. import structures as structure_registry
 from .hyperparameters import factor_keys
-
-if TYPE_CHECKING:
-    from .base import KroneckerOptimizer
 
 FACTOR_WARNING_BYTES = 64 * 2**20
 SUGGESTED_STRUCTURE = "block_diagonal:32"
@@ -43,7 +40,7 @@ def structure_bytes(spec: str, dim: int, itemsize: int) -> int:
     return sum(part.numel() for part in parts.values()) * itemsize
 
 
-def warn_large_factors(optimizer: KroneckerOptimizer, suggestion: str) -> None:
+def warn_large_factors(optimizer: Optimizer, suggestion: str) -> None:
     """Warn (:class:`LargeFactorWarning`) about the layers with a factor above the
     threshold; ``suggestion`` tells how to choose a structure (e.g. "pass structures=...")."""
     large = []

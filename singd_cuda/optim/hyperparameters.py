@@ -20,15 +20,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
+from torch.optim import Optimizer
 
 from ..curvature.layers import LOSS_AVERAGES, Layer
-
-if TYPE_CHECKING:
-    from .base import KroneckerOptimizer
 
 # check(key, value) -> the value to store (normalised), or ValueError naming the fix
 Check = Callable[[str, Any], Any]
@@ -207,14 +205,14 @@ def _equal(a: Any, b: Any) -> bool:
         return False
 
 
-def watch_of(optimizer: KroneckerOptimizer) -> GroupWatch:
+def watch_of(optimizer: Optimizer) -> GroupWatch:
     watch = optimizer.__dict__.get("_group_watch")
     if watch is None:
         watch = optimizer.__dict__["_group_watch"] = GroupWatch()
     return watch
 
 
-def accept(optimizer: KroneckerOptimizer, group: dict) -> None:
+def accept(optimizer: Optimizer, group: dict) -> None:
     """Validate a group in full and remember its values (a new or a loaded group)."""
     checks = optimizer.hyperparameter_checks(group)
     validate(group, checks)
@@ -223,7 +221,7 @@ def accept(optimizer: KroneckerOptimizer, group: dict) -> None:
         watch_of(optimizer).remember(index, group, checks)
 
 
-def check_step(optimizer: KroneckerOptimizer, scheduled: bool = True) -> None:
+def check_step(optimizer: Optimizer, scheduled: bool = True) -> None:
     """At the start of a step (and, with ``scheduled=False``, of a forward): re-validate
     the groups that changed since their last validation (applying the state consequences
     above), and check the value of every callable hyperparameter at the group's step."""
@@ -246,7 +244,7 @@ def check_step(optimizer: KroneckerOptimizer, scheduled: bool = True) -> None:
 
 
 def _revalidate(
-    optimizer: KroneckerOptimizer,
+    optimizer: Optimizer,
     watch: GroupWatch,
     index: int,
     group: dict,
@@ -268,7 +266,7 @@ def _revalidate(
     watch.remember(index, group, checks, None if everything else changed)
 
 
-def _apply_changes(optimizer: KroneckerOptimizer, index: int, group: dict, old: dict) -> None:
+def _apply_changes(optimizer: Optimizer, index: int, group: dict, old: dict) -> None:
     layers = [layer for layer in optimizer.layers if optimizer.group_of(layer) is group]
     with_factors = [layer for layer in layers if optimizer.state.get(layer.weight)]
     if old.get("norm_fisher") != group.get("norm_fisher"):
@@ -316,7 +314,7 @@ def same_layout(value: Any, expected: Any) -> bool:
     return not isinstance(value, Tensor | dict)
 
 
-def factor_keys(optimizer: KroneckerOptimizer, layer: Layer, group: dict) -> dict[str, Any]:
+def factor_keys(optimizer: Optimizer, layer: Layer, group: dict) -> dict[str, Any]:
     """The state entries the group's rule creates for ``layer`` (its factors), on the
     meta device: keys, tensor shapes and dtypes, no memory."""
     meta = dataclasses.replace(
@@ -331,7 +329,7 @@ def factor_keys(optimizer: KroneckerOptimizer, layer: Layer, group: dict) -> dic
     return fresh
 
 
-def _cast_factors(optimizer: KroneckerOptimizer, layer: Layer, group: dict) -> None:
+def _cast_factors(optimizer: Optimizer, layer: Layer, group: dict) -> None:
     state = optimizer.state[layer.weight]
     dtype = group["factor_dtype"] or layer.weight.dtype
     for key in factor_keys(optimizer, layer, group):

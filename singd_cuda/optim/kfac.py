@@ -26,11 +26,11 @@ import torch
 from torch import Tensor, nn
 
 from ..curvature.layers import Layer, split_matrix
-from ..distributed.synchronizer import DEFAULT_BUCKET_CAP_MB
 from ..structures.base import accumulation_dtype
 from . import hyperparameters as hp
 from .base import KroneckerOptimizer, LayerRule, checked_fallback, scheduled, sgd_update_
 from .factor_memory import warn_large_factors
+from .scale_out import DEFAULT_BUCKET_CAP_MB
 
 INVERSE_METHODS = ("inverse", "eigen")
 FISHER_TYPES = ("empirical", "ggn")

@@ -17,9 +17,8 @@ from torch import Tensor, nn
 from .. import ops
 from .. import structures as structure_registry
 from ..curvature.layers import Layer, split_matrix
-from ..distributed.statistics import congruence, shared_statistic
-from ..distributed.synchronizer import DEFAULT_BUCKET_CAP_MB
 from ..structures.base import StructuredMatrix, accumulation_dtype
+from ..structures.congruence import congruence, shared_statistic
 from ..structures.diagonal import Diagonal
 from . import hyperparameters as hp
 from . import warm_start
@@ -28,6 +27,7 @@ from .base import KroneckerOptimizer, LayerRule, checked_fallback, scheduled, sg
 from .derived import DerivedCache, GroupCache
 from .factor_memory import warn_large_factors
 from .grouped import StackedProduct, partition, stacked_gradients
+from .scale_out import DEFAULT_BUCKET_CAP_MB
 
 StructureSpec = str | type[StructuredMatrix]
 

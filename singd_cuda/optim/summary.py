@@ -14,31 +14,27 @@ first step they are what the first step will allocate.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
+from torch.optim import Optimizer
 
 from ..curvature.layers import Layer, is_supported
-
-if TYPE_CHECKING:
-    from .base import KroneckerOptimizer
 
 # per-parameter buffers in a weight's state: not curvature
 _PARAMETER_BUFFERS = ("momentum_buffer", "exp_avg")
 
 
-def preconditioned(opt: KroneckerOptimizer) -> dict[str, tuple[str, str]]:
+def preconditioned(opt: Optimizer) -> dict[str, tuple[str, str]]:
     """{qualified module name: (K side structure, C side structure)}, in model order."""
     return {layer.name: structures(opt, layer) for layer in opt.layers}
 
 
-def structures(opt: KroneckerOptimizer, layer: Layer) -> tuple[str, str]:
+def structures(opt: Optimizer, layer: Layer) -> tuple[str, str]:
     group = opt.group_of(layer)
     return tuple(opt.rule_for(group).factor_structures(group))
 
 
-def factor_state_bytes(opt: KroneckerOptimizer, layer: Layer) -> int:
+def factor_state_bytes(opt: Optimizer, layer: Layer) -> int:
     """Bytes of the layer's curvature state (as the first step creates it, if not yet)."""
     state = opt.state.get(layer.weight)
     if not state:
@@ -65,7 +61,7 @@ def tensor_bytes(value) -> int:
     return 0
 
 
-def fallback_modules(opt: KroneckerOptimizer) -> list[tuple[str, str, tuple[int, ...]]]:
+def fallback_modules(opt: Optimizer) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, class name, weight shape) of the modules of a supported kind whose trained
     weight gets the AdamW fallback instead of curvature (e.g. a weight a module of another
     kind holds too, or an ``nn.MultiheadAttention.out_proj``)."""
@@ -83,7 +79,7 @@ def fallback_modules(opt: KroneckerOptimizer) -> list[tuple[str, str, tuple[int,
     return rows
 
 
-def summary(opt: KroneckerOptimizer) -> str:
+def summary(opt: Optimizer) -> str:
     """A printable table of what ``opt`` preconditions (see the module docstring)."""
     header = ("module", "kind", "weight", "K side", "C side", "factor state")
     rows = []

@@ -63,6 +63,13 @@ class StructuredMatrix(ABC):
     family: ClassVar[type[StructuredMatrix] | None] = None
     # K Kᵀ has a structured form at every size (the class overrides times_transpose)
     structured_times_transpose: ClassVar[bool] = False
+    # the dense family (dense.py, which builds on this module, registers it on definition)
+    _dense: ClassVar[type[StructuredMatrix] | None] = None
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("name") == "dense":
+            StructuredMatrix._dense = cls
 
     def __init__(self, dim: int, **parts: Tensor) -> None:
         if set(parts) != set(self.part_names):
@@ -182,10 +189,8 @@ class StructuredMatrix(ABC):
         """
         if not self.has_times_transpose(self.dim):
             raise NotImplementedError(f"K Kᵀ of a {self.spec()} factor has no cheap form")
-        from .dense import Dense  # dense.py builds on this module
-
         K = upcast(self.to_dense())
-        return Dense(self.dim, mat=K @ K.T)
+        return self._dense(self.dim, mat=K @ K.T)
 
     @classmethod
     def row_width(cls, d: int) -> int:

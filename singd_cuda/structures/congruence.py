@@ -1,4 +1,4 @@
-"""Curvature statistics that need no factor state, for ``distribute_factors=True``.
+"""Congruence Π̂(Kᵀ M K) of structured factors, from statistics that need no factor state.
 
 SINGD's statistic H_K = Π̂(Kᵀ aᵀa K) reads the factor K, which only the owner of a
 layer holds in that mode. It is linear in aᵀa, so every rank can send instead a
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ..structures.base import StructuredMatrix, upcast
+from .base import StructuredMatrix, upcast
 
 CONGRUENCE_CLOSED = ("dense", "diagonal", "block_diagonal")
 

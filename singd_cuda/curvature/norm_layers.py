@@ -1,10 +1,11 @@
-"""Diagonal empirical Fisher for the affine parameters of normalisation layers.
+"""The curvature statistic of normalisation layers: their diagonal empirical Fisher.
 
 After Osawa et al. (arXiv 1811.12019): BatchNorm, LayerNorm and GroupNorm weights and
 biases are preconditioned by the diagonal (per channel, or per element for LayerNorm)
 of the empirical Fisher, F = (1/L) Σ_terms ψ², where ψ is one loss term's gradient of
 the parameter, with a damping of its own: Δ = grad / (F + λ_norm). This replaces the
-first-order fallback for those parameters (``norm_fisher=True``).
+first-order fallback for those parameters (``norm_fisher=True``; the update is in
+:mod:`singd_cuda.optim.norm_fisher`).
 
 The per-term gradients come from the captured layer input (normalised again here,
 without the affine part) and the output gradient: ψ_γ = Σ g·x̂ and ψ_β = Σ g over the
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..curvature.layers import Layer
+from .layers import Layer
 
 NORM_LAYERS = (_BatchNorm, nn.LayerNorm, nn.GroupNorm)
 
@@ -98,23 +99,3 @@ def norm_statistic(
 
 def empty_norm_statistic(layer: Layer, dtype, device) -> Tensor:
     return torch.zeros(sum(p.numel() for p in layer.params), dtype=dtype, device=device)
-
-
-def store_fisher(layer: Layer, states: list[dict], statistic: Tensor) -> None:
-    """Keep the new diagonal Fisher of each parameter in its state (``"fisher_diag"``)."""
-    offset = 0
-    for param, state in zip(layer.params, states, strict=True):
-        values = statistic[offset : offset + param.numel()].reshape(param.shape)
-        state["fisher_diag"] = values.to(torch.promote_types(param.dtype, torch.float32)).clone()
-        offset += param.numel()
-
-
-def preconditioned(grad: Tensor, state: dict, damping: float, rows: slice | None = None) -> Tensor:
-    """grad / (F + λ_norm); the plain gradient until a first Fisher is known. ``rows``:
-    the rows (dim 0) of the parameter that ``grad`` holds (an FSDP2 shard; None: all)."""
-    fisher = state.get("fisher_diag")
-    if fisher is None:
-        return grad
-    if rows is not None:
-        fisher = fisher[rows]
-    return grad / (fisher.to(grad.dtype) + damping)
