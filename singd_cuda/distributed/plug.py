@@ -18,6 +18,7 @@ class TorchDistributed:
     """Plugs ``torch.distributed`` (DDP, FSDP2, layer ownership) into the optimizers."""
 
     def unwrap(self, model: nn.Module) -> tuple[nn.Module, bool]:
+        """The module inside a DDP wrapper (the hooks go on it), and whether there was one."""
         return comm.unwrap(model)
 
     def attach(
@@ -32,6 +33,8 @@ class TorchDistributed:
         bucket_cap_mb: float,
         ddp_wrapped: bool,
     ) -> Synchronizer | None:
+        """A :class:`Synchronizer` (layer costs from their factor structures), or None
+        when no process group of several ranks is active and nothing is FSDP2-sharded."""
         if not (comm.is_active(process_group) or comm.sharded(model)):
             return None
         costs = [

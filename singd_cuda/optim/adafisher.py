@@ -25,8 +25,9 @@ from .. import ops
 from ..curvature.layers import Layer
 from ..structures.base import accumulation_dtype
 from . import hyperparameters as hp
-from .base import KroneckerOptimizer, LayerRule, checked_fallback, scheduled
+from .base import KroneckerOptimizer, checked_fallback
 from .derived import DerivedCache
+from .rule import LayerRule, scheduled
 from .scale_out import DEFAULT_BUCKET_CAP_MB
 
 ADAFISHER = "adafisher"

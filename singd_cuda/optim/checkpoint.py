@@ -205,3 +205,66 @@ def _check_like(where: str, value: Any, expected: Any, fix: str) -> None:
         raise CheckpointMismatchError(
             f"{where} is a {type(value).__name__}, expected a number; {fix}"
         )
+
+
+# ------------------------------------------------------------------------- loading
+def prepared(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` as ``torch.optim.Optimizer.load_state_dict`` takes it (by index,
+    with hyperparameters added since it was saved, without the optimizer kind), after
+    checking that it fits; raises :class:`CheckpointMismatchError` before anything is
+    loaded. ``optimizer``: a KroneckerOptimizer."""
+    state_dict = by_index(state_dict)  # DCP's set_optimizer_state_dict: names
+    foreign = set()
+    sync = optimizer._sync
+    if sync is not None and sync.shards is not None:
+        # FSDP2: a rank holds the rows of layers it does not own
+        foreign = {id(p) for p in sync.foreign_params()}
+    check_fits(optimizer, state_dict, buffers_only=foreign)
+    _check_norm_fisher_kept(optimizer, state_dict)
+    groups = [
+        with_added_hyperparameters(saved, group)
+        for saved, group in zip(state_dict["param_groups"], optimizer.param_groups, strict=True)
+    ]
+    return {
+        **{k: v for k, v in state_dict.items() if k != KIND_KEY},
+        "param_groups": groups,
+    }
+
+
+def keep_saved_dtypes(optimizer: Optimizer, saved_state: dict[int, dict]) -> None:
+    """After torch.optim's load (which casts floating state to each parameter's dtype),
+    give every floating state tensor the dtype it was saved in (low-precision factors
+    of a float32 model stay low-precision), on its parameter's device."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for index, param_state in saved_state.items():
+        param = params[index]
+        optimizer.state[param] = _keep_dtypes(param_state, optimizer.state[param], param.device)
+
+
+def _keep_dtypes(saved_value: Any, loaded: Any, device) -> Any:
+    if isinstance(saved_value, Tensor):
+        return (
+            saved_value.to(device=device, copy=True) if saved_value.is_floating_point() else loaded
+        )
+    if isinstance(saved_value, dict):
+        return {k: _keep_dtypes(v, loaded[k], device) for k, v in saved_value.items()}
+    return loaded
+
+
+def _check_norm_fisher_kept(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
+    """A checkpoint past its first step holds the norm Fisher of every norm layer
+    that has state; DCP's sharded load fills only the entries a fresh optimizer's
+    state_dict has, which lack it."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    index = {id(p): i for i, p in enumerate(params)}
+    states = state_dict["state"]
+    for layer in optimizer._norm_layers:
+        state = states.get(index[id(layer.weight)])
+        if state and "fisher_diag" not in state and "momentum_buffer" in state:
+            raise CheckpointMismatchError(
+                f"the state of norm layer '{layer.name}' lacks its norm Fisher "
+                "('fisher_diag'): torch.distributed.checkpoint's sharded load fills only "
+                "the entries of a fresh optimizer; load norm_fisher=True optimizers from "
+                "a full state (get_optimizer_state_dict(..., full_state_dict=True) or "
+                "opt.full_state_dict())"
+            )

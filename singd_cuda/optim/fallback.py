@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.optim import Optimizer
 
 from .. import ops
 from ..structures.base import upcast
+from .write import unscaled
 
 
 def in_fallback(state: dict) -> bool:
@@ -86,3 +88,32 @@ def adamw_update_(
         stochastic_rounding=stochastic_rounding,
         seed=seed,
     )
+
+
+def fallback_step(opt: Optimizer, grad_scale: Tensor | None, params: list[Tensor]) -> None:
+    """AdamW on those of ``params`` that have a gradient (still scaled by ``grad_scale``
+    when given), one write per parameter group; FSDP2 shards are updated as
+    torch.optim.AdamW updates them. ``opt``: a KroneckerOptimizer."""
+    by_group: dict[int, list[Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            by_group.setdefault(opt._param_group[id(p)], []).append(p)
+    shards = None if opt._sync is None else opt._sync.shards
+    for index, members in by_group.items():
+        group = opt.param_groups[index]
+        states = [opt.state[p] for p in members]
+        seed = opt._seed(group, members[0])
+        grads = [p.grad for p in members]
+        if shards is not None:
+            members, grads = [shards.local(p) for p in members], [shards.local(g) for g in grads]
+        adamw_update_(
+            members,
+            [unscaled(g, grad_scale) for g in grads],
+            states,
+            lr=group["lr"] if group["fallback_lr"] is None else group["fallback_lr"],
+            betas=group["fallback_betas"],
+            eps=group["fallback_eps"],
+            weight_decay=group["fallback_weight_decay"],
+            stochastic_rounding=group["stochastic_rounding"],
+            seed=seed,
+        )

@@ -169,3 +169,30 @@ def _restore(state: dict, copy: dict) -> None:
             state[key].copy_(value)
         else:
             state[key] = value
+
+
+# The reasons of a skipped step, by priority (the flags of a step's FiniteCheck).
+SCALER, GRADIENT, STATISTICS, FACTORS = range(4)
+
+
+def skip_message(optimizer: str, reason: int) -> str:
+    """The warning (or error) of a step of ``optimizer`` skipped for ``reason``; '' for
+    the GradScaler's routine skip (it skips and backs off its scale itself)."""
+    if reason == SCALER:
+        return ""
+    if reason == GRADIENT:
+        return (
+            f"{optimizer}: non-finite gradient, step skipped and statistics dropped (use "
+            "torch.amp.GradScaler for fp16; nonfinite='raise' to raise)"
+        )
+    if reason == STATISTICS:
+        return (
+            f"{optimizer}: non-finite curvature statistics (an overflow in the layer inputs "
+            "or output gradients), step skipped and no state changed; use a GradScaler "
+            "or float32 statistics (nonfinite='raise' to raise)"
+        )
+    return (
+        f"{optimizer}: a factor update produced non-finite values, step skipped and every "
+        "factor restored (use float32 factor_dtype or a larger damping; "
+        "nonfinite='raise' to raise)"
+    )

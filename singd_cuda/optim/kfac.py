@@ -28,9 +28,11 @@ from torch import Tensor, nn
 from ..curvature.layers import Layer, split_matrix
 from ..structures.base import accumulation_dtype
 from . import hyperparameters as hp
-from .base import KroneckerOptimizer, LayerRule, checked_fallback, scheduled, sgd_update_
+from .base import KroneckerOptimizer, checked_fallback
 from .factor_memory import warn_large_factors
+from .rule import LayerRule, scheduled
 from .scale_out import DEFAULT_BUCKET_CAP_MB
+from .write import sgd_update_
 
 INVERSE_METHODS = ("inverse", "eigen")
 FISHER_TYPES = ("empirical", "ggn")

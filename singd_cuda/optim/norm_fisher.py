@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.optim import Optimizer
 
 from ..curvature.layers import Layer
+from .rule import scheduled
+from .write import sgd_update_, unscaled
 
 
 def store_fisher(layer: Layer, states: list[dict], statistic: Tensor) -> None:
@@ -30,3 +33,26 @@ def preconditioned(grad: Tensor, state: dict, damping: float, rows: slice | None
     if rows is not None:
         fisher = fisher[rows]
     return grad / (fisher.to(grad.dtype) + damping)
+
+
+def norm_step(opt: Optimizer, grad_scale: Tensor | None) -> None:
+    """Normalisation-layer affine parameters under ``norm_fisher``: momentum SGD on
+    grad / (F + norm_damping), F the diagonal empirical Fisher of the last update step
+    (this step's statistics, when it has some). ``opt``: a KroneckerOptimizer."""
+    shards = None if opt._sync is None else opt._sync.shards
+    for layer in opt._norm_layers:
+        group = opt.group_of(layer)
+        states = [opt.state[p] for p in layer.params]
+        pending = opt._pending.get(layer)
+        if pending is not None:
+            store_fisher(layer, states, pending["out"])
+        damping = scheduled(group["norm_damping"], group["step"])
+        view = layer if shards is None else shards.view(layer)  # FSDP2: this rank's rows
+        rows = None if shards is None else view.rows
+        directions = [
+            None
+            if param.grad is None
+            else preconditioned(unscaled(param.grad, grad_scale), state, damping, rows)
+            for param, state in zip(view.params, states, strict=True)
+        ]
+        sgd_update_(view.params, directions, states, group, opt._seed(group, layer.weight))

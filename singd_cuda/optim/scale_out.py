@@ -114,9 +114,11 @@ class OneProcess:
     """The plug without a distributed package: nothing to unwrap or synchronise."""
 
     def unwrap(self, model: nn.Module) -> tuple[nn.Module, bool]:
+        """``model`` itself (nothing wraps it)."""
         return model, False
 
     def attach(self, model, layers, factor_structures, row_local, **options) -> None:
+        """None: one process."""
         return None
 
 

@@ -23,11 +23,13 @@ from ..structures.diagonal import Diagonal
 from . import hyperparameters as hp
 from . import warm_start
 from .adafisher import ADAFISHER, AdaFisherRule, DiagonalBatch
-from .base import KroneckerOptimizer, LayerRule, checked_fallback, scheduled, sgd_update_
+from .base import KroneckerOptimizer, checked_fallback
 from .derived import DerivedCache, GroupCache
 from .factor_memory import warn_large_factors
 from .grouped import StackedProduct, partition, stacked_gradients
+from .rule import LayerRule, scheduled
 from .scale_out import DEFAULT_BUCKET_CAP_MB
+from .write import sgd_update_
 
 StructureSpec = str | type[StructuredMatrix]
 
@@ -136,7 +138,7 @@ class SingdRule(LayerRule):
 
     def apply_many(self, layers, group, states, inv_scale, step: int, seed: int):
         """Ĝ = (C Cᵀ) G (K Kᵀ) for every layer, then momentum SGD with weight decay on
-        every parameter in one :func:`~singd_cuda.optim.base.sgd_update_` call; layers of
+        every parameter in one :func:`~singd_cuda.optim.write.sgd_update_` call; layers of
         equal :meth:`group_key` are preconditioned as one stack (:mod:`.grouped`)."""
         if self._diagonal(group):
             self._apply_diagonal(layers, group, states, inv_scale, seed)

@@ -1,0 +1,76 @@
+"""How many loss terms one call of a layer covers: the capture's counting rule.
+
+A call's output covers its samples along the batch dimension (or samples x positions for
+``loss_average="batch+sequence"``). With ``batch_dim=None`` the layers of sequence-first
+transformer modules count dimension 1 and tell the capture the model's batch; any other
+layer counts dimension 0 and is checked, once, against that batch.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from torch import Tensor
+
+from . import norm_layers
+from .layers import Layer, loss_terms, misplaced_batch, samples
+
+_SEQUENCE_FIRST_WARNED = -1  # the key of the once-per-counter warning in ``checked``
+
+
+class LossTermCounter:
+    """The loss terms of each call, and the warnings about a misplaced batch dimension.
+
+    ``owner`` names the optimizer in warnings; :attr:`sequence_first` (the layers of
+    sequence-first transformer modules) and :attr:`norm_layers` are set by the owner
+    whenever it finds its layers.
+    """
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self.sequence_first: set[Layer] = set()
+        self.norm_layers: set[Layer] = set()
+        self._checked: set[int] = set()  # weights whose batch dimension was checked
+
+    def count(
+        self, layer: Layer, output: Tensor, loss_average: str | None, batch_dim: int | None, capture
+    ) -> int:
+        """The loss terms ``output`` covers; may set ``capture.model_batch``."""
+        if layer in self.norm_layers:
+            return norm_layers.num_terms(layer.module, output, loss_average)
+        if batch_dim is not None:
+            return loss_terms(layer, output, loss_average, batch_dim)
+        if layer in self.sequence_first:
+            batch = samples(layer, output, 1)
+            if capture.model_batch not in (None, batch) and _SEQUENCE_FIRST_WARNED not in (
+                self._checked
+            ):
+                self._checked.add(_SEQUENCE_FIRST_WARNED)
+                warnings.warn(
+                    f"{self.owner}: the model input's dimension 0 "
+                    f"({capture.model_batch}) is not the batch ({batch}) its sequence-first "
+                    "transformer layers see; the other layers count dimension 0. If the "
+                    "model's data is sequence-first, pass batch_dim=1 (README, 'What counts "
+                    "as curvature')",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            capture.model_batch = batch
+            return loss_terms(layer, output, loss_average, 1)
+        if capture.model_batch is not None and id(layer.weight) not in self._checked:
+            self._checked.add(id(layer.weight))  # the first call says it
+            if misplaced_batch(layer, output, 0, capture.model_batch):
+                self._warn_misplaced_batch(layer, output, capture.model_batch)
+        return loss_terms(layer, output, loss_average, 0)
+
+    def _warn_misplaced_batch(self, layer: Layer, output: Tensor, batch: int) -> None:
+        warnings.warn(
+            f"{self.owner}: layer '{layer.name}' counts its samples along dimension "
+            f"0 of its output {tuple(output.shape)}, but the model's batch is {batch}, the "
+            "size of another dimension: if the layer's data is sequence-first (positions, "
+            "batch, features), pass batch_dim=1 (for the optimizer, or in a parameter group "
+            "of those layers); batch_dim=0 keeps dimension 0 without this check (README, "
+            "'What counts as curvature')",
+            RuntimeWarning,
+            stacklevel=3,
+        )

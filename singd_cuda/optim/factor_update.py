@@ -1,0 +1,42 @@
+"""The factor-update phase of a step: new factors from the step's statistics.
+
+Layers whose rules give equal :meth:`~singd_cuda.optim.rule.LayerRule.group_key` update
+as one stack; what the updates overwrite is saved first, so that a non-finite result
+(flagged here, read once by the step) restores every factor.
+"""
+
+from __future__ import annotations
+
+from torch.optim import Optimizer
+
+from ..curvature.layers import Layer
+from .finite import FACTORS
+
+
+def update_factors(opt: Optimizer, layers: list[Layer]) -> None:
+    """Update the factors of those of ``layers`` that have statistics this step
+    (``opt._pending``), saving what they overwrite in ``opt._undo``, and flag a
+    non-finite result in ``opt._finite``. ``opt``: a KroneckerOptimizer."""
+    updated = [layer for layer in layers if layer in opt._pending]
+    states = [opt._layer_state(layer, opt.group_of(layer)) for layer in updated]
+    opt._undo.save(states)
+    distribute_factors = opt._sync is not None and opt._sync.distribute_factors
+    stacks: dict[tuple, list[tuple[Layer, dict, dict]]] = {}
+    for layer, state in zip(updated, states, strict=True):
+        pending = opt._pending[layer]
+        group = opt.group_of(layer)
+        rule = opt.rule_for(group)
+        if distribute_factors:
+            rule.finish_shared(layer, group, state, pending)
+        if not rule.start_factors(layer, group, state, pending):
+            continue  # the statistics cannot start this layer's factors yet
+        key = rule.group_key(layer, group, state)
+        key = (opt._layer_group[layer], id(layer) if key is None else key)
+        stacks.setdefault(key, []).append((layer, state, pending))
+    for (index, _), members in stacks.items():
+        group = opt.param_groups[index]
+        stacked_layers, states, pendings = (list(column) for column in zip(*members, strict=True))
+        opt.rule_for(group).update_factors_many(
+            stacked_layers, group, states, pendings, group["step"]
+        )
+    opt._finite.check(opt._undo.updated(), FACTORS)

@@ -1,0 +1,70 @@
+"""The precondition-and-write phase of a step for the preconditioned layers.
+
+A layer's rule preconditions its gradient with the layer's factors and writes its
+parameters, one layer at a time (:meth:`~singd_cuda.optim.rule.LayerRule.apply`) or, for
+a rule that fuses, one pass per parameter group (``apply_many``). Parameters sharded by
+rows (FSDP2) go through the :class:`~singd_cuda.optim.scale_out.Shards` of the step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from ..curvature.layers import Layer, gradient_matrix
+from ..structures.base import accumulation_dtype
+from .recipe import rescale_weight_
+
+
+def precondition_layers(opt: Optimizer, layers: list[Layer], grad_scale: Tensor | None) -> None:
+    """Update the parameters of ``layers`` (gradients still scaled by ``grad_scale``, or
+    unscaled when None); rules that fuse update their group's layers in one pass.
+    ``opt``: a KroneckerOptimizer."""
+    fused: dict[int, list[Layer]] = {}
+    for layer in layers:
+        group = opt.group_of(layer)
+        rule = opt.rule_for(group)
+        state = opt.state[layer.weight]
+        if not state:
+            rule.init_state(layer, group, state)
+        if rule.fuses_apply(group):
+            fused.setdefault(opt._layer_group[layer], []).append(layer)
+            continue
+        G = gradient_matrix(layer, accumulation_dtype(layer.weight.dtype))
+        if grad_scale is not None:
+            G = G / grad_scale.to(G.device, G.dtype)
+        states = [opt.state[p] for p in layer.params]
+        rule.apply(layer, group, states, G, group["step"], opt._seed(group, layer.weight))
+        if group["weight_rescale"]:
+            rescale_weight_(layer.weight)
+    inv_scale = None
+    for index, members in fused.items():
+        group = opt.param_groups[index]
+        if grad_scale is not None and inv_scale is None:
+            inv_scale = grad_scale.to(members[0].weight.device, torch.float32).reciprocal()
+        states = [[opt.state[p] for p in layer.params] for layer in members]
+        seed = opt._seed(group, members[0].weight)
+        opt.rule_for(group).apply_many(members, group, states, inv_scale, group["step"], seed)
+        if group["weight_rescale"]:
+            for layer in members:
+                rescale_weight_(layer.weight)
+
+
+def precondition_shards(opt: Optimizer, layers: list[Layer], grad_scale: Tensor | None) -> None:
+    """Every rank updates its rows of every layer of ``layers`` (FSDP2; the owner of a
+    layer, or every rank, preconditions). ``opt``: a KroneckerOptimizer."""
+    sync = opt._sync
+    entries = []
+    for layer in layers:
+        group = opt.group_of(layer)
+        rule = opt.rule_for(group)
+        if sync.owns(layer) and not opt.state[layer.weight]:
+            rule.init_state(layer, group, opt.state[layer.weight])
+        states = [opt.state[p] for p in layer.params]
+        seed = opt._seed(group, layer.weight)
+        entries.append(sync.shards.entry(layer, rule, group, states, seed, sync.owner_of(layer)))
+    inv_scale = None
+    if grad_scale is not None:
+        inv_scale = grad_scale.to(opt._layers[0].weight.device, torch.float32).reciprocal()
+    sync.shards.step(entries, inv_scale)

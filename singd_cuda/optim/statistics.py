@@ -1,0 +1,79 @@
+"""Gathering a step's statistics: the committed captures as the statistics of one batch.
+
+The capture keeps raw sums per layer (the input side weighted by each call's loss
+terms w, the output side without √L) and the total w of the calls it committed
+(:class:`~singd_cuda.curvature.capture.Committed`). Normalising divides the input side
+by w, multiplies the output side by w (for a loss averaged over its terms) and removes
+the loss scale, with one multi-tensor multiply per (factor, device, dtype).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from ..curvature.layers import Layer
+from ..structures.base import accumulation_dtype
+from .finite import tensors_of
+
+
+class StatisticsNormaliser:
+    """Normalises committed statistics in place; keeps its 0-dim scalars between steps."""
+
+    def __init__(self) -> None:
+        self._scalars: dict[tuple, Tensor] = {}
+
+    def __call__(
+        self, committed: dict, loss_average_of: Callable[[Layer], str | None], loss_scale
+    ) -> dict[Layer, dict]:
+        """{layer: statistics} of the layers whose committed calls held a sample (w > 0),
+        normalised in place. ``committed``: the capture's {layer: Committed};
+        ``loss_average_of(layer)``: its group's ``loss_average``; ``loss_scale``: the
+        factor on the captured output gradients (a tensor, or None)."""
+        pending = {}
+        # (factor, scaled by the loss scale) -> statistics: one multiply per group below
+        scaled: dict[tuple[float, bool], list] = {}
+        for layer, entry in committed.items():
+            statistics = entry.statistics
+            if entry.terms <= 0 or not statistics:
+                continue
+            terms = entry.terms
+            if "in" in statistics:  # norm layers have no input side
+                scaled.setdefault((1.0 / terms, False), []).append(statistics["in"])
+            out_factor = 1.0 if loss_average_of(layer) is None else terms
+            scaled.setdefault((out_factor, loss_scale is not None), []).append(statistics["out"])
+            pending[layer] = statistics
+        for (factor, by_loss_scale), group in scaled.items():
+            if factor != 1.0 or by_loss_scale:
+                self._scale_(group, factor, loss_scale if by_loss_scale else None)
+        return pending
+
+    def _scale_(self, statistics: list, factor: float, loss_scale: Tensor | None) -> None:
+        """statistic *= factor / loss_scale² for each of ``statistics`` (tensors or
+        structured matrices): one multi-tensor multiply per (device, dtype) for those
+        held in their accumulation dtype, by a 0-dim tensor kept between steps (a Python
+        scalar would allocate one per call; the loss scale stays on the device, unread)."""
+        fused: dict[tuple, list[Tensor]] = {}
+        for statistic in statistics:
+            parts = list(tensors_of(statistic))
+            key = (statistic.device, accumulation_dtype(statistic.dtype))
+            if all(part.dtype == key[1] for part in parts):
+                fused.setdefault(key, []).extend(parts)
+            else:  # low-precision parts: their own rounding on store
+                statistic.mul_(self._scalar(key, factor, loss_scale))
+        for key, tensors in fused.items():
+            torch._foreach_mul_(tensors, self._scalar(key, factor, loss_scale))
+
+    def _scalar(self, key: tuple, factor: float, loss_scale: Tensor | None) -> Tensor:
+        """factor / loss_scale² as a 0-dim tensor of ``key`` = (device, dtype), reused."""
+        if len(self._scalars) > 64:  # many distinct loss-term counts: start over
+            self._scalars.clear()
+        full_key = (*key, factor, loss_scale is not None)
+        scalar = self._scalars.get(full_key)
+        if scalar is None:
+            scalar = self._scalars[full_key] = torch.zeros((), dtype=key[1], device=key[0])
+        if loss_scale is None:
+            return scalar.fill_(factor)
+        return scalar.copy_(loss_scale.reshape(())).reciprocal_().square_().mul_(factor)

@@ -1,0 +1,63 @@
+"""The last phase of a step: writing the parameters (momentum SGD with weight decay,
+stochastic rounding for half-precision weights), in one op call per set of parameters."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import ops
+from ..structures.base import upcast
+
+
+def unscaled(grad: Tensor, grad_scale: Tensor | None) -> Tensor:
+    """grad / grad_scale in the accumulation dtype of grad's dtype (float32 for half types)."""
+    grad = upcast(grad)
+    return grad if grad_scale is None else grad / grad_scale.to(grad.device, grad.dtype)
+
+
+def sgd_update_(
+    params: list[Tensor],
+    directions: list[Tensor | None],
+    states: list[dict],
+    group: dict,
+    seed: int,
+) -> None:
+    """Momentum SGD with coupled weight decay on the parameters that have a gradient (the
+    others, e.g. a bias frozen after construction, are left alone), in one
+    :func:`singd_cuda.ops.sgd_epilogue_` call with the group's ``lr``, ``momentum``,
+    ``weight_decay`` and ``stochastic_rounding``.
+
+    Args:
+        params: the parameters, any shapes, float32/bfloat16/float16/float64.
+        directions: the unscaled preconditioned gradients, shaped like ``params``, in
+            any floating dtype (used in the parameter's accumulation dtype: float32 for
+            half types); ignored (may be None) for parameters without a gradient.
+        states: the parameters' states; the momentum buffer ``state["momentum_buffer"]``
+            (the parameter's dtype) is created as zeros when missing and momentum != 0.
+        seed: the stochastic-rounding seed of the call.
+    """
+    trained = [
+        (p, upcast(d, p.dtype), s)
+        for p, d, s in zip(params, directions, states, strict=True)
+        if p.grad is not None
+    ]
+    if not trained:
+        return
+    momentum = group["momentum"]
+    bufs = []
+    if momentum != 0.0:
+        for p, _, s in trained:
+            if "momentum_buffer" not in s:
+                s["momentum_buffer"] = torch.zeros_like(p)
+            bufs.append(s["momentum_buffer"])
+    ops.sgd_epilogue_(
+        [p for p, _, _ in trained],
+        [d for _, d, _ in trained],
+        bufs,
+        lr=group["lr"],
+        momentum=momentum,
+        weight_decay=group["weight_decay"],
+        stochastic_rounding=group["stochastic_rounding"],
+        seed=seed,
+    )
