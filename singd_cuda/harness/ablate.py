@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 from .optimizers import OPTIMIZERS
@@ -71,10 +72,9 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def run_ablate(argv: list[str]) -> Path:
-    """Run the variants ``argv`` names; returns the output folder."""
-    from .cli import run_train, say
-
+def run_ablate(argv: list[str], run_train: Callable[[list[str]], Path]) -> Path:
+    """Run the variants ``argv`` names, each grid through ``run_train`` (the grid
+    command's function, handed in by the CLI); returns the output folder."""
     args = parser().parse_args(argv)
     common = ["--tasks", args.task, "--seeds", *args.seeds, "--precisions", args.precision]
     common += ["--factors", "fp32", "--device", args.device]
@@ -84,18 +84,18 @@ def run_ablate(argv: list[str]) -> Path:
         steps = factor * args.steps
         reference = args.out / f"adamw-{steps}"
         if not (reference / "results.json").exists():
-            say(f"ablate: AdamW reference, {steps} steps")
+            _say(f"ablate: AdamW reference, {steps} steps")
             run_train(
                 [*common, "--optimizers", "adamw", "--steps", str(steps), "--out", str(reference)]
             )
         folder = args.out / _slug(name)
         if (folder / "results.json").exists():
-            say(f"ablate: {name} already in {folder}")
+            _say(f"ablate: {name} already in {folder}")
             continue
         grid = [*common, "--optimizers", args.optimizer, "--steps", str(steps)]
         grid += ["--structures", structure or args.structure, "--out", str(folder)]
         grid += ["--set", *(f"{args.optimizer}.{c}" for c in changes)] if changes else []
-        say(f"ablate: {name}")
+        _say(f"ablate: {name}")
         run_train(grid)
     rows = [  # every variant in the folder, also those of earlier invocations
         _row(name, args.out / _slug(name), args.out / f"adamw-{factor * args.steps}")
@@ -104,8 +104,12 @@ def run_ablate(argv: list[str]) -> Path:
     ]
     text = _markdown(args, rows)
     (args.out / "ablations.md").write_text(text)
-    say(text)
+    _say(text)
     return args.out
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
 
 
 def _slug(name: str) -> str:

@@ -843,7 +843,7 @@ def main(argv: list[str] | None = None) -> int:
     elif argv[:1] == ["ablate"]:
         from .ablate import run_ablate
 
-        run_ablate(argv[1:])
+        run_ablate(argv[1:], run_train)
     else:
         run_train(argv)
     return 0
