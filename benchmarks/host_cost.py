@@ -174,10 +174,13 @@ def measure(model_name: str, steps: int) -> list[dict]:
         for c in everyone:
             c.iteration(timed=True)
     base = median_ms(plain.times)
+    adamw_backward = next(iter(competitors.values())).backward_ms()
     rows = []
     for name, c in competitors.items():
         overhead = c.ms() - base
-        capture = c.backward_ms() - median_ms(plain.backward_times)
+        # against AdamW's forward + backward (the same hook-free model, timed in the same
+        # position of each round as the others; the plain model runs first and slower)
+        capture = c.backward_ms() - adamw_backward
         rows.append(
             {
                 "optimizer": name,
@@ -190,8 +193,8 @@ def measure(model_name: str, steps: int) -> list[dict]:
     adamw = rows[0]["overhead_ms"]
     for row, c in zip(rows, competitors.values(), strict=True):
         row["per_layer_us"] = 1e3 * row["overhead_ms"] / layers
-        # the bound with this capture: its cost plus a step as cheap as AdamW's
-        row["bound_vs_adamw"] = (row["capture_us"] + rows[0]["step_us"]) / rows[0]["per_layer_us"]
+        # the part of the ratio the capture alone takes: what a step may cost is the rest
+        row["capture_vs_adamw"] = row["capture_us"] / rows[0]["per_layer_us"]
         row["vs_adamw"] = row["overhead_ms"] / adamw
         sites = c.reads()
         row["reads"] = sum(sites.values())
@@ -206,22 +209,22 @@ def table(model_name: str, rows: list[dict], steps: int) -> list[str]:
         f"steps (plain forward + backward {rows[0]['plain_ms']:.2f} ms)",
         "",
         "| optimizer | iteration ms | overhead ms | per layer µs | / AdamW | capture µs "
-        "| step µs | bound / AdamW | reads per T steps |",
+        "| step µs | capture / AdamW | reads per T steps |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['optimizer']} | {r['iteration_ms']:.2f} | {r['overhead_ms']:.2f} | "
             f"{r['per_layer_us']:.0f} | {r['vs_adamw']:.2f}x | {r['capture_us']:.0f} | "
-            f"{r['step_us']:.0f} | {r['bound_vs_adamw']:.2f}x | {r['reads']} |"
+            f"{r['step_us']:.0f} | {r['capture_vs_adamw']:.2f}x | {r['reads']} |"
         )
     lines += [
         "",
-        "Per layer: capture = forward + backward with the optimizer's hooks minus the plain "
-        "model's (amortized over T); step = the rest of the overhead. Bound = (this "
-        "capture + AdamW's step) / AdamW's overhead: the ratio if the step cost no more "
-        "than AdamW's, the floor while the statistics are captured per layer in Python "
-        "hooks.",
+        "Per layer: capture = forward + backward with the optimizer's hooks minus AdamW's "
+        "(hook-free) forward + backward, amortized over T; step = the rest of the overhead. "
+        "Capture / AdamW: the part of the ratio the capture alone takes (the floor while "
+        "statistics are captured in per-layer Python hooks; a ratio target leaves the step "
+        "the rest).",
     ]
     sites: Counter = Counter()
     for r in rows:
