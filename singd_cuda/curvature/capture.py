@@ -6,10 +6,12 @@ layer count exactly when that pass accumulates into the ``.grad`` of the layer's
 How:
 
 * A forward hook on each module of a layer (with grad enabled and the weight trainable)
-  asks the capture, through the ``mark`` op, whether the call takes statistics on this
-  step, and if so wraps the output in :class:`capture_ops.Stage`, which keeps the input.
-* In the backward, ``Stage`` computes the call's statistics (through the owner) and
-  *stages* them for this backward pass (the ``stage`` op).
+  asks the capture whether the call takes statistics on this step, and if so keeps the
+  input for the backward: eager calls register a hook on the output's gradient
+  (:class:`capture_ops.StageHook`); traced calls ask through the ``mark`` op and wrap the
+  output in :class:`capture_ops.Stage`.
+* In the backward, the hook (or ``Stage``) computes the call's statistics (through the
+  owner) and *stages* them for this backward pass (the ``stage`` op when traced).
 * The weight's post-accumulate-grad hook *commits* what was staged: it runs once per
   backward pass, after every use of the weight in that pass (autograd sums the uses
   before it accumulates), so shared weights and modules called twice commit once.
@@ -360,9 +362,10 @@ class _ModelHook(_InertCopies):
 
 
 class _LayerHook(_InertCopies):
-    """The forward hook of a layer's modules, traced by ``torch.compile``: it reads no
+    """The forward hook of a layer's modules. Traced by ``torch.compile``, it reads no
     capture state (the ``mark`` op does, at run time) and wraps the output in
-    :class:`capture_ops.Stage`. Eager calls that take no statistics keep the output."""
+    :class:`capture_ops.Stage`. Eager calls keep the output and, when they take
+    statistics, hook its gradient (:class:`capture_ops.StageHook`)."""
 
     def __init__(self, ref, handle: int, index: int, weight, forward: Tensor, probe) -> None:
         self._ref, self._handle, self._index = ref, handle, index
@@ -378,13 +381,15 @@ class _LayerHook(_InertCopies):
             if capture is not None:
                 capture._saw(capture._layers[self._index], output)
             return None
-        if torch.compiler.is_compiling():
-            token = capture_ops.mark(self._forward, output, self._handle, self._index)
-        else:
-            token = capture_ops.token_fields(output, self._handle, self._index)
-            if not token[0]:
-                return None
         layer_input = (args[0] if args else next(iter(kwargs.values()))).detach()
+        if not torch.compiler.is_compiling():
+            fields = capture_ops.token_fields(output, self._handle, self._index)
+            if fields[0]:  # eager: a hook on the output's gradient, no copy of the output
+                output.register_hook(
+                    capture_ops.StageHook(layer_input, fields, self._handle, self._index)
+                )
+            return None
+        token = capture_ops.mark(self._forward, output, self._handle, self._index)
         return capture_ops.Stage.apply(
             output, token, layer_input, self._probe, self._handle, self._index
         )

@@ -113,36 +113,42 @@ def _stage_fake(grad_output, layer_input, token, handle, index) -> Tensor:
     return torch.empty((), dtype=torch.float32, device="cpu")
 
 
-class Stage(torch.autograd.Function):
-    """A copy of a layer output whose backward stages the call's statistics and passes the
-    output gradient on unchanged. A copy, not the output itself: a custom Function's
-    output that is an input may not be modified in place (``ReLU(inplace=True)``).
+class StageHook:
+    """The eager path: a hook on a layer output's gradient that stages the call's
+    statistics. A tensor hook sees the gradient of the value the layer returned even when
+    later code modifies the output in place (``ReLU(inplace=True)``), so the output is
+    neither copied nor wrapped; the hook and the input it keeps live as long as the
+    autograd graph."""
 
-    ``token``: the ``mark`` op's tensor in traced code, whose backward runs the ``stage``
-    op (and returns the probe's gradient); eager calls pass the fields as a tuple and
-    stage them directly, making no tensor (the probe's gradient is then None, a zero).
+    __slots__ = ("fields", "handle", "index", "layer_input")
+
+    def __init__(self, layer_input: Tensor, fields: tuple, handle: int, index: int) -> None:
+        self.layer_input, self.fields, self.handle, self.index = layer_input, fields, handle, index
+
+    def __call__(self, grad_output: Tensor) -> None:
+        stage_fields(grad_output, self.layer_input, self.fields, self.handle, self.index)
+
+
+class Stage(torch.autograd.Function):
+    """The traced path: a copy of a layer output whose backward stages the call's
+    statistics and passes the output gradient on unchanged. A copy, not the output
+    itself: a custom Function's output that is an input may not be modified in place
+    (``ReLU(inplace=True)``).
+
+    ``token``: the ``mark`` op's tensor, whose backward runs the ``stage`` op (and returns
+    the probe's gradient).
     """
 
     # forward(ctx, ...) rather than a separate setup_context: with one, every apply binds
     # its arguments through inspect.signature (~20 µs a layer call)
     @staticmethod
     def forward(ctx, output, token, layer_input, probe, handle: int, index: int) -> Tensor:
-        if isinstance(token, Tensor):
-            ctx.save_for_backward(layer_input, token)
-            ctx.fields = None
-        else:
-            ctx.save_for_backward(layer_input)
-            ctx.fields = token
+        ctx.save_for_backward(layer_input, token)
         ctx.handle, ctx.index = handle, index
         return output.clone()
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
-        if ctx.fields is None:
-            layer_input, token = ctx.saved_tensors
-            probe_grad = stage(grad_output, layer_input, token, ctx.handle, ctx.index)
-        else:
-            (layer_input,) = ctx.saved_tensors
-            stage_fields(grad_output, layer_input, ctx.fields, ctx.handle, ctx.index)
-            probe_grad = None
+        layer_input, token = ctx.saved_tensors
+        probe_grad = stage(grad_output, layer_input, token, ctx.handle, ctx.index)
         return grad_output, None, None, probe_grad, None, None

@@ -57,6 +57,20 @@ class SharedLayer(nn.Module):
         return self.out(torch.tanh(z2))
 
 
+def test_eager_statistics_step_returns_the_layer_output_itself():
+    """The capture hooks the output's gradient instead of copying the output."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(inplace=True), nn.Linear(3, 2))
+    returned = []
+    model[0].register_forward_hook(lambda module, args, out: returned.append(out))
+    opt = SINGD(model, T=1)
+    x = torch.randn(5, 4)
+    hidden = model[0](x)  # a statistics step
+    assert hidden is returned[0]
+    model[2](model[1](hidden)).square().sum().backward()
+    assert model[0] in {layer.module for layer in opt._capture.committed}
+
+
 def test_module_used_twice_has_the_statistics_of_one_call_on_both_inputs():
     """Both uses count, as one call on their joined inputs (20 samples): aᵀa averages
     the two uses' rows, gᵀg sums both uses' output gradients scaled by 20; checked
