@@ -210,7 +210,7 @@ class SingdRule(LayerRule):
             damping=scheduled(group["damping"], step),
         )
         for layer in layers:
-            self._squares.forget(layer)  # read above; the factors changed
+            self._forget(layer)  # the squares were read above; the factors changed
 
     def accumulate_shared(self, layer, group, pending, a: Tensor, g: Tensor) -> None:
         """K-free statistics Π̂(aᵀa), Π̂(gᵀg) (dense Gram for structures that need it);
@@ -247,11 +247,11 @@ class SingdRule(LayerRule):
         if group["normalize_lr_cov"] or len(layers) == 1:  # normalize: a per-layer max
             super().update_factors_many(layers, group, states, pendings, step)
             return
-        for layer in layers:
-            self._forget(layer)
-        if self._diagonal(group):
+        if self._diagonal(group):  # it reads the cached squares of the factors, then forgets
             self._update_diagonal_factors(layers, states, pendings, group, step)
             return
+        for layer in layers:
+            self._forget(layer)
         S_K, S_C = self._classes(group)
         update = partial(
             _stacked_factor_update,
@@ -282,10 +282,10 @@ class SingdRule(LayerRule):
         self._stacked.forget(layer)
 
     def update_factors(self, layer, group, state, pending, step: int) -> None:
-        self._forget(layer)
         if self._diagonal(group) and not group["normalize_lr_cov"]:
             self._update_diagonal_factors([layer], [state], [pending], group, step)
             return
+        self._forget(layer)
         _factor_step(
             self._factors(layer, group, state),
             pending["in"],
