@@ -21,9 +21,9 @@ _SEQUENCE_FIRST_WARNED = -1  # the key of the once-per-counter warning in ``chec
 class LossTermCounter:
     """The loss terms of each call, and the warnings about a misplaced batch dimension.
 
-    ``owner`` names the optimizer in warnings; :attr:`sequence_first` (the layers of
-    sequence-first transformer modules) and :attr:`norm_layers` are set by the owner
-    whenever it finds its layers.
+    ``owner`` names the optimizer in warnings; :attr:`sequence_first` (the layers and
+    norm layers of sequence-first transformer modules) and :attr:`norm_layers` are set
+    by the owner whenever it finds its layers.
     """
 
     def __init__(self, owner: str) -> None:
@@ -37,7 +37,9 @@ class LossTermCounter:
     ) -> int:
         """The loss terms ``output`` covers; may set ``capture.model_batch``."""
         if layer in self.norm_layers:
-            return norm_layers.num_terms(layer.module, output, loss_average)
+            return norm_layers.num_terms(
+                layer.module, output, loss_average, self.norm_batch_dim(layer, batch_dim)
+            )
         if batch_dim is not None:
             return loss_terms(layer, output, loss_average, batch_dim)
         if layer in self.sequence_first:
@@ -62,6 +64,14 @@ class LossTermCounter:
             if misplaced_batch(layer, output, 0, capture.model_batch):
                 self._warn_misplaced_batch(layer, output, capture.model_batch)
         return loss_terms(layer, output, loss_average, 0)
+
+    def norm_batch_dim(self, layer: Layer, batch_dim: int | None) -> int:
+        """The batch dimension of a norm layer: ``batch_dim`` when given, else 1 inside a
+        sequence-first transformer layer and 0 elsewhere (its statistic is not checked
+        against the model's batch)."""
+        if batch_dim is not None:
+            return batch_dim
+        return 1 if layer in self.sequence_first else 0
 
     def _warn_misplaced_batch(self, layer: Layer, output: Tensor, batch: int) -> None:
         warnings.warn(

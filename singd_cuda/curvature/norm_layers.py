@@ -55,45 +55,55 @@ def _normalised(module: nn.Module, x: Tensor) -> Tensor:
     return (x - mean) * torch.rsqrt(var + module.eps)
 
 
-def _per_term(module: nn.Module, values: Tensor, loss_average: str | None) -> Tensor:
+def _per_term(
+    module: nn.Module, values: Tensor, loss_average: str | None, batch_dim: int
+) -> Tensor:
     """Sum ``values`` (shaped like the layer output) over the positions of each loss
-    term: (terms, *parameter shape)."""
+    term: (terms, *parameter shape). A LayerNorm's terms are its samples along
+    ``batch_dim`` of the leading dimensions (or every position for "batch+sequence");
+    BatchNorm's and GroupNorm's along dimension 0 (N of N, C, ...)."""
     if isinstance(module, nn.LayerNorm):
         shape = tuple(module.normalized_shape)
         lead = values.shape[: values.dim() - len(shape)]
         if loss_average == "batch+sequence" or len(lead) <= 1:
             return values.reshape(-1, *shape)
-        return values.reshape(lead[0], -1, *shape).sum(1)
+        dim = batch_dim if batch_dim < len(lead) else 0
+        return values.movedim(dim, 0).reshape(lead[dim], -1, *shape).sum(1)
     channels = values.shape[1]
     if loss_average == "batch+sequence":
         return values.movedim(1, -1).reshape(-1, channels)
     return values.reshape(values.shape[0], channels, -1).sum(-1)
 
 
-def num_terms(module: nn.Module, grad: Tensor, loss_average: str | None) -> int:
-    """The loss terms a norm layer's output (or output gradient) covers."""
+def num_terms(module: nn.Module, grad: Tensor, loss_average: str | None, batch_dim: int = 0) -> int:
+    """The loss terms a norm layer's output (or output gradient) covers; a LayerNorm's
+    batch is dimension ``batch_dim`` of its leading dimensions (0 when it has no such)."""
     if isinstance(module, nn.LayerNorm):
         lead = grad.shape[: grad.dim() - len(module.normalized_shape)]
         if loss_average == "batch+sequence":
             return lead.numel()
-        return lead[0] if len(lead) else 1
+        if not len(lead):
+            return 1
+        return lead[batch_dim if batch_dim < len(lead) else 0]
     if loss_average == "batch+sequence":
         return grad.numel() // grad.shape[1]
     return grad.shape[0]
 
 
 def norm_statistic(
-    layer: Layer, layer_input: Tensor, grad_output: Tensor, loss_average, dtype
+    layer: Layer, layer_input: Tensor, grad_output: Tensor, loss_average, dtype, batch_dim: int = 0
 ) -> Tensor:
-    """The diagonal Fisher of this backward pass: [F_weight, F_bias] flattened, in ``dtype``."""
+    """The diagonal Fisher of this backward pass: [F_weight, F_bias] flattened, in ``dtype``
+    (``batch_dim``: as for :func:`num_terms`)."""
     module = layer.module
     x = layer_input.detach().to(dtype)
     g = grad_output.detach().to(dtype)
     if loss_average is not None:
-        g = g * math.sqrt(num_terms(module, g, loss_average))
-    parts = [_per_term(module, g * _normalised(module, x), loss_average).square().sum(0)]
+        g = g * math.sqrt(num_terms(module, g, loss_average, batch_dim))
+    normalised = g * _normalised(module, x)
+    parts = [_per_term(module, normalised, loss_average, batch_dim).square().sum(0)]
     if layer.bias is not None:
-        parts.append(_per_term(module, g, loss_average).square().sum(0))
+        parts.append(_per_term(module, g, loss_average, batch_dim).square().sum(0))
     return torch.cat([p.reshape(-1) for p in parts])
 
 

@@ -170,7 +170,9 @@ class KroneckerOptimizer(Optimizer):
         self._norm_layers = norm_layers.find_norm_layers(model, lambda p: id(p) in norm_params)
         self._norm_set = set(self._norm_layers)
         sequence_first = sequence_first_modules(model)  # their layers count dimension 1
-        self._counter.sequence_first = {x for x in self._layers if id(x.module) in sequence_first}
+        self._counter.sequence_first = {
+            x for x in self._layers + self._norm_layers if id(x.module) in sequence_first
+        }
         self._counter.norm_layers = self._norm_set
         self._layer_group = {
             layer: self._param_group[id(layer.weight)] for layer in self._layers + self._norm_layers
@@ -263,9 +265,13 @@ class KroneckerOptimizer(Optimizer):
         dtype = accumulation_dtype(layer.weight.dtype)
         if layer in self._norm_set:
             loss_average = group["loss_average"]
-            F = norm_layers.norm_statistic(layer, layer_input, grad_output, loss_average, dtype)
+            batch_dim = self._counter.norm_batch_dim(layer, group["batch_dim"])
+            F = norm_layers.norm_statistic(
+                layer, layer_input, grad_output, loss_average, dtype, batch_dim
+            )
             if loss_average is not None:  # raw: without the √L the statistic carries
-                F.mul_(1.0 / max(norm_layers.num_terms(layer.module, grad_output, loss_average), 1))
+                terms = norm_layers.num_terms(layer.module, grad_output, loss_average, batch_dim)
+                F.mul_(1.0 / max(terms, 1))
             merge_statistics(into, {"out": F})
             return True
         rule = self.rule_for(group)

@@ -384,3 +384,20 @@ def test_one_loss_in_two_passes_counts_its_samples_once(name):
     for layer in ("trunk", "classify"):
         assert_close_all(twice[layer]["in"], once[layer]["in"])
         assert_close_all(twice[layer]["out"], [2 * t for t in once[layer]["out"]])
+
+
+@pytest.mark.parametrize("layout, told", [("inner", {}), ("sequence", {"batch_dim": 1})])
+@pytest.mark.parametrize("name", [n for n in NAMES if n != "adafisher"])  # no norm_fisher
+def test_norm_fisher_counts_the_batch_of_sequence_first_layer_norms(name, layout, told):
+    """The LayerNorms of a sequence-first transformer layer (``norm_fisher=True``) count
+    its batch as its Linear layers do: by themselves inside nn.TransformerEncoderLayer,
+    or as ``batch_dim`` says."""
+    data = sequences()
+    first = Transformer("batch")
+    other = copy_weights(Transformer(layout), first)
+    expected = train(name, first, data, norm_fisher=True)
+    inputs = sequence_first(data) if layout == "sequence" else data
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trained = train(name, other, inputs, norm_fisher=True, **told)
+    assert_close_params(trained, expected, atol=1e-10)
