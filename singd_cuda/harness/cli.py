@@ -846,6 +846,10 @@ def partial_meta(records: list[dict]) -> dict:
         "rule": RULE,
         "settings": settings,
         "config": {
+            "tasks": list(dict.fromkeys(r["task"] for r in records)),
+            "optimizers": list(dict.fromkeys(r["label"] for r in records)),
+            "precisions": list(dict.fromkeys(r["precision"] for r in records)),
+            "factors": list(dict.fromkeys(r["factor"] for r in records)),
             "seeds": sorted({r["seed"] for r in records}),
             "steps": {r["task"]: r["steps"] for r in records},
         },
