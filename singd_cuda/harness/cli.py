@@ -4,7 +4,8 @@ optimizer-state memory on standard architectures.
 
 Progress is printed as one flushed line per finished run (with an ETA), so it works in a
 pipe and in CI; each finished run is appended to ``runs.jsonl`` in the output folder as
-the grid goes.
+the grid goes. ``--resume`` continues an interrupted grid in the same folder: the runs
+already in its ``runs.jsonl`` are loaded instead of run again.
 """
 
 from __future__ import annotations
@@ -285,6 +286,15 @@ def train_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="re-tune the learning rates (fp32 sweep) before the grid, and use them",
     )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the grid in the --out folder: runs already recorded in its "
+        "runs.jsonl with the same task, optimizer, structure, precision, factors, seed, "
+        "steps and hyperparameters are loaded, not run again, and reported with the new "
+        "ones; the others run seed by seed (every cell's first seed before any second). "
+        f"Records of other runs move to {SUPERSEDED}",
+    )
     return add_common(p, "<timestamp>")
 
 
@@ -381,7 +391,11 @@ class Progress:
         self.per_step: dict[str, list[float]] = {}  # task -> [seconds, steps] finished
         self.total, self.done, self.workers = len(specs), 0, max(1, workers)
         self.start = time.perf_counter()
-        self.log = (out / "runs.jsonl").open("a")
+        path = out / "runs.jsonl"
+        torn = path.exists() and path.stat().st_size and not path.read_bytes().endswith(b"\n")
+        self.log = path.open("a")
+        if torn:  # the last line of a killed grid: start the next record on its own line
+            self.log.write("\n")
 
     def eta(self) -> float:
         seconds = sum(v[0] for v in self.per_step.values())
@@ -522,8 +536,14 @@ def report_markdown(meta: dict, table_cells: dict, settings: dict, tasks: list[s
         "",
         f"Command: `{meta['command']}`  ",
         f"Created {meta['created']} on {meta['device']} ({meta['machine']}), torch "
-        f"{meta['torch']}; {meta['run_count']} runs in {meta['elapsed_s']:.0f} s with "
-        f"{meta['workers']} worker(s).",
+        f"{meta['torch']}; {meta['run_count']} runs"
+        + (
+            f" ({meta['resumed']} of them loaded from runs.jsonl with --resume, recorded by "
+            "an earlier invocation; the time is that of the others)"
+            if meta.get("resumed")
+            else ""
+        )
+        + f" in {meta['elapsed_s']:.0f} s with {meta['workers']} worker(s).",
         "",
         "## Verdict rule",
         "",
@@ -627,6 +647,8 @@ def run_train(argv: list[str]) -> Path:
     """Run the grid described by ``argv``; returns the output folder."""
     parser = train_parser()
     args = parser.parse_args(argv)
+    if args.resume and args.out is None:
+        parser.error("--resume needs --out, the folder of the grid to continue")
     require_heavyball(parser, grid_values(args, "optimizers"))
     tasks = grid_values(args, "tasks")
     choices = expand(grid_values(args, "optimizers"), grid_values(args, "structures"))
@@ -659,7 +681,14 @@ def run_train(argv: list[str]) -> Path:
             tuning.tuned.TUNED.setdefault(task, {}).update(values)
         tuned_command = command_line("tune", tune_argv)
     specs, settings = build_specs(args, tasks, choices, steps)
-    results, elapsed = run_specs(specs, args, out)
+    recorded = resume(out, specs) if args.resume else {}
+    todo = [s for s in specs if s not in recorded]
+    if args.resume:
+        seeds = grid_values(args, "seeds")
+        todo.sort(key=lambda s: seeds.index(s.seed))  # stable: grid order within a seed
+    new, elapsed = run_specs(todo, args, out) if todo else ([], 0.0)
+    done = {**recorded, **{r.spec: r for r in new}}
+    results = [done[s] for s in specs]
     meta = {
         "command": command_line("", argv),
         "created": datetime.now().isoformat(timespec="seconds"),
@@ -669,7 +698,8 @@ def run_train(argv: list[str]) -> Path:
         "python": platform.python_version(),
         "elapsed_s": elapsed,
         "run_count": len(specs),
-        "workers": min(args.workers or default_workers(args.device), len(specs)),
+        "resumed": len(recorded),
+        "workers": min(args.workers or default_workers(args.device), max(len(todo), 1)),
         "evaluations": EVALUATIONS,
         "tuned_command": tuned_command,
         "rule": RULE,
@@ -687,6 +717,58 @@ def run_train(argv: list[str]) -> Path:
     meta["settings"] = settings_json
     write_report(out, meta, results)
     return out
+
+
+#: Where ``--resume`` moves the records of ``runs.jsonl`` that are not runs of its grid.
+SUPERSEDED = "runs_superseded.jsonl"
+
+
+def read_runs(path: Path) -> list[dict]:
+    """The records of a ``runs.jsonl``, skipping a line that is not JSON (the last line
+    of a grid killed while writing it)."""
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if line.strip():
+                say(f"{path}: skipped a line that is not a whole record: {line[:60]}...")
+    return records
+
+
+def resume(out: Path, specs: list[RunSpec]) -> dict[RunSpec, RunResult]:
+    """The runs of ``specs`` already recorded in ``out/runs.jsonl`` (the first record
+    of each). Any other record (another learning rate, step count, ...; a duplicate; a
+    torn line) moves to :data:`SUPERSEDED`, so ``runs.jsonl`` holds this grid's runs
+    only and ``report`` of the folder, if this grid is interrupted too, mixes nothing."""
+    path = out / "runs.jsonl"
+    if not path.exists():
+        say(f"--resume: no {path} yet; running all {len(specs)} runs")
+        return {}
+    wanted, found, kept, moved = set(specs), {}, [], []
+    lines = path.read_text().splitlines()
+    for line in lines:
+        try:
+            result = result_from_record(json.loads(line))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            result = None
+        if result is not None and result.spec in wanted and result.spec not in found:
+            found[result.spec] = result
+            kept.append(line)
+        elif line.strip():
+            moved.append(line)
+    if moved:
+        with (out / SUPERSEDED).open("a") as log:
+            log.write("".join(line + "\n" for line in moved))
+        temporary = path.with_suffix(".jsonl.tmp")
+        temporary.write_text("".join(line + "\n" for line in kept))
+        temporary.replace(path)
+    say(
+        f"--resume: {len(found)} of the {len(specs)} runs already in {path}; running the "
+        f"other {len(specs) - len(found)}"
+        + (f"; {len(moved)} other record(s) moved to {out / SUPERSEDED}" if moved else "")
+    )
+    return found
 
 
 def write_report(out: Path, meta: dict, results: list[RunResult]) -> None:
@@ -741,7 +823,7 @@ def run_report(argv: list[str]) -> Path:
         records = payload["runs"]
         meta.setdefault("run_count", len(records))
     else:
-        records = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+        records = read_runs(out / "runs.jsonl")
         meta = partial_meta(records)
     write_report(out, meta, [result_from_record(r) for r in records])
     return out
@@ -764,6 +846,10 @@ def partial_meta(records: list[dict]) -> dict:
         "rule": RULE,
         "settings": settings,
         "config": {
+            "tasks": list(dict.fromkeys(r["task"] for r in records)),
+            "optimizers": list(dict.fromkeys(r["label"] for r in records)),
+            "precisions": list(dict.fromkeys(r["precision"] for r in records)),
+            "factors": list(dict.fromkeys(r["factor"] for r in records)),
             "seeds": sorted({r["seed"] for r in records}),
             "steps": {r["task"]: r["steps"] for r in records},
         },

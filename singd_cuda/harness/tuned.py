@@ -3,10 +3,20 @@
 The default run uses these values in every precision; re-tune with ``--tune``.
 """
 
-COMMAND = "python -m singd_cuda.harness tune --tasks mnist1d_mlp mnist1d_cnn lm --optimizers adamw kfac adafisher singd --structures block_diagonal:32 diagonal --record --out benchmarks/results/harness/tune && python -m singd_cuda.harness tune --tasks mnist1d_mlp mnist1d_cnn lm --optimizers adafisher singd --structures block_diagonal:32 diagonal --workers 1 --record --out benchmarks/results/harness/tune_defaults && python -m singd_cuda.harness tune --tasks mnist1d_mlp mnist1d_cnn --optimizers sgd soap psgd_kron muon --workers 2 --device cpu --record --out benchmarks/results/harness/tune_peers && python -m singd_cuda.harness tune --tasks lm --optimizers sgd soap psgd_kron muon --workers 1 --device cpu --out benchmarks/results/harness/tune_peers_lm"  # noqa: E501
-CREATED = "2026-12-02T04:46:35"
-STEPS: dict[str, int] = {"lm": 200, "mnist1d_cnn": 500, "mnist1d_mlp": 500}
+COMMAND = "python -m singd_cuda.harness tune --tasks mnist1d_mlp mnist1d_cnn lm --optimizers adamw kfac adafisher singd --structures block_diagonal:32 diagonal --record --out benchmarks/results/harness/tune && python -m singd_cuda.harness tune --tasks mnist1d_mlp mnist1d_cnn lm --optimizers adafisher singd --structures block_diagonal:32 diagonal --workers 1 --record --out benchmarks/results/harness/tune_defaults && python -m singd_cuda.harness tune --tasks mnist1d_mlp mnist1d_cnn --optimizers sgd soap psgd_kron muon --workers 2 --device cpu --record --out benchmarks/results/harness/tune_peers && python -m singd_cuda.harness tune --tasks lm --optimizers sgd soap psgd_kron muon --workers 1 --device cpu --out benchmarks/results/harness/tune_peers_lm && python -m singd_cuda.harness tune --tasks llama_lm --optimizers adamw sgd kfac adafisher singd soap psgd_kron muon --structures block_diagonal:32 --steps 100 --workers 1 --device cpu --out benchmarks/results/harness/tune_llama"  # noqa: E501
+CREATED = "2026-12-02T07:51:00"
+STEPS: dict[str, int] = {"llama_lm": 100, "lm": 200, "mnist1d_cnn": 500, "mnist1d_mlp": 500}
 TUNED: dict[str, dict[str, dict[str, float]]] = {
+    "llama_lm": {
+        "adafisher": {"lr": 0.003},
+        "adamw": {"lr": 0.001},
+        "kfac": {"lr": 0.0003},
+        "muon": {"lr": 0.03},
+        "psgd_kron": {"lr": 0.003},
+        "sgd": {"lr": 0.1},
+        "singd:block_diagonal:32": {"lr": 0.0001},
+        "soap": {"lr": 0.01},
+    },
     "lm": {
         "adafisher": {"lr": 0.1},
         "adamw": {"lr": 0.01},

@@ -98,9 +98,75 @@ def test_report_is_rebuilt_from_a_partial_grid(tiny_grid, tmp_path, capsys):
     (tmp_path / "runs.jsonl").write_text("\n".join(lines) + "\n")
     assert main(["report", str(tmp_path)]) == 0
     assert "interrupted" in (tmp_path / "report.md").read_text()
-    assert len(json.loads((tmp_path / "results.json").read_text())["runs"]) == 5
+    partial = json.loads((tmp_path / "results.json").read_text())
+    assert len(partial["runs"]) == 5
+    assert partial["config"]["tasks"] == ["mnist1d_mlp"]  # the docs render it per task
     assert main(["report", str(out)]) == 0  # and from a finished grid's results.json
     assert str(out / "report.md") in capsys.readouterr().out
+
+
+def test_resume_runs_only_what_is_missing(tmp_path, capsys):
+    """--resume on a folder with part of the grid's runs, a run of another learning rate
+    and a line torn by a kill: the missing runs (the other learning rate's too) run, seed
+    by seed; the report holds all of the grid's runs, equal to those of an uninterrupted
+    grid, and the records of other runs move out of runs.jsonl."""
+    grid = ["--tasks", "mnist1d_mlp", "--optimizers", "adamw", "singd", "--structures"]
+    grid += ["diagonal", "--precisions", "fp32", "--factors", "fp32", "--steps", "2"]
+    grid += ["--seeds", "0", "1", "--workers", "1", "--device", "cpu"]
+    whole = tmp_path / "whole"
+    assert main([*grid, "--out", str(whole)]) == 0
+    reference = json.loads((whole / "results.json").read_text())["runs"]
+    key = ("label", "seed")
+    assert [tuple(r[k] for k in key) for r in reference] == [
+        ("adamw", 0),
+        ("adamw", 1),
+        ("singd:diagonal", 0),
+        ("singd:diagonal", 1),
+    ]
+    first, *_, last = (whole / "runs.jsonl").read_text().splitlines()
+    other_lr = json.loads(last)  # singd seed 1 at another learning rate: not this grid's
+    other_lr["hparams"]["lr"] *= 3
+    other_lr["final_loss"] = 123.0
+    part = tmp_path / "part"
+    part.mkdir()
+    (part / "runs.jsonl").write_text(f"{first}\n{json.dumps(other_lr)}\n{last[:40]}")
+    capsys.readouterr()
+
+    assert main([*grid, "--out", str(part), "--resume"]) == 0
+    text = capsys.readouterr().out
+    assert "1 of the 4 runs already in" in text and "2 other record(s) moved" in text
+    ran = [line.split(": ")[0].split("] ")[1] for line in text.splitlines() if "/3]" in line]
+    assert ran == [  # seed by seed; adamw seed 0 is not run again
+        "mnist1d_mlp singd:diagonal fp32/fp32 seed 0",
+        "mnist1d_mlp adamw fp32/- seed 1",
+        "mnist1d_mlp singd:diagonal fp32/fp32 seed 1",
+    ]
+    payload = json.loads((part / "results.json").read_text())
+    runs = payload["runs"]
+    assert [tuple(r[k] for k in key) for r in runs] == [tuple(r[k] for k in key) for r in reference]
+    for run, expected in zip(runs, reference, strict=True):
+        assert run["hparams"] == expected["hparams"]
+        assert run["final_loss"] == pytest.approx(expected["final_loss"], rel=1e-6)
+    assert payload["resumed"] == 1 and payload["run_count"] == 4
+    assert "1 of them loaded from runs.jsonl with --resume" in (part / "report.md").read_text()
+    assert len(payload["cells"]) == 2 and all(c["seeds"] == 2 for c in payload["cells"])
+    # runs.jsonl holds exactly the grid's runs; the others are kept aside
+    assert len((part / "runs.jsonl").read_text().splitlines()) == 4
+    aside = (part / "runs_superseded.jsonl").read_text().splitlines()
+    assert json.loads(aside[0])["final_loss"] == 123.0 and aside[1] == last[:40]
+
+    # everything recorded: nothing runs, the report is rebuilt with all four
+    assert main([*grid, "--out", str(part), "--resume"]) == 0
+    text = capsys.readouterr().out
+    assert "4 of the 4 runs already in" in text and "/4]" not in text
+    assert len(json.loads((part / "results.json").read_text())["runs"]) == 4
+
+
+def test_resume_needs_out(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--tasks", "mnist1d_mlp", "--resume"])
+    assert exit_info.value.code == 2
+    assert "--resume needs --out" in capsys.readouterr().err
 
 
 def test_grid_in_worker_processes(tmp_path, capsys):
