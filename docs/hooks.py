@@ -86,11 +86,12 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
-def _reference_cell(cells: list[dict], label: str) -> dict | None:
+def _reference_cell(cells: list[dict], label: str, precision: str = "fp32") -> dict | None:
+    """The cell of ``label`` in model ``precision`` with fp32 factors (or none)."""
     for cell in cells:
         if (
             cell["label"] == label
-            and cell["precision"] == "fp32"
+            and cell["precision"] == precision
             and cell["factor"] in ("-", "fp32")
         ):
             return cell
@@ -124,7 +125,11 @@ def headline_table(root: Path = HARNESS) -> str:
 
 
 # Against the optimizers users pick instead: runs with the peers, each with its own AdamW.
-PEER_TASKS = (("mnist1d_cnn_peers", "MNIST-1D CNN"), ("lm_peers", "char LM"))
+PEER_TASKS = (  # (folder, title, model precision)
+    ("mnist1d_cnn_peers", "MNIST-1D CNN", "fp32"),
+    ("lm_peers", "char LM", "fp32"),
+    ("llama_lm_full", "LLaMA (bf16 autocast)", "bf16-amp"),
+)
 PEER_NAMES = {
     "adamw": "AdamW",
     "sgd": "momentum SGD",
@@ -140,16 +145,16 @@ PEER_NAMES = {
 def peers_table(root: Path = HARNESS) -> str:
     """Held-out loss (accuracy %), steps to that run's AdamW loss, wall-clock time to it
     relative to AdamW's (``time_vs_adamw``) and optimizer state per optimizer of the peer
-    runs (fp32, mean ± std over the recorded seeds)."""
-    headers = ["optimizer (fp32)"]
-    for _, title in PEER_TASKS:
+    runs (each task's model precision, fp32 factors; mean ± std over the recorded seeds)."""
+    headers = ["optimizer"]
+    for _, title, _ in PEER_TASKS:
         headers += [f"{title}: loss (acc %)", "steps to AdamW's loss", "time", "state MiB"]
-    records = {folder: load(root / folder)["cells"] for folder, _ in PEER_TASKS}
+    records = {folder: load(root / folder)["cells"] for folder, _, _ in PEER_TASKS}
     rows = []
     for label, name in PEER_NAMES.items():
         row = [name]
-        for folder, _ in PEER_TASKS:
-            cell = _reference_cell(records[folder], label)
+        for folder, _, precision in PEER_TASKS:
+            cell = _reference_cell(records[folder], label, precision)
             if cell is None:
                 row += ["not run", "—", "—", "—"]
                 continue
