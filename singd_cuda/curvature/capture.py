@@ -381,18 +381,23 @@ class _LayerHook(_InertCopies):
             if capture is not None:
                 capture._saw(capture._layers[self._index], output)
             return None
-        layer_input = (args[0] if args else next(iter(kwargs.values()))).detach()
         if not torch.compiler.is_compiling():
             fields = capture_ops.token_fields(output, self._handle, self._index)
             if fields[0]:  # eager: a hook on the output's gradient, no copy of the output
-                output.register_hook(
-                    capture_ops.StageHook(layer_input, fields, self._handle, self._index)
-                )
+                layer_input = _input(args, kwargs)
+                hook = capture_ops.StageHook(layer_input, fields, self._handle, self._index)
+                output.register_hook(hook)
             return None
         token = capture_ops.mark(self._forward, output, self._handle, self._index)
+        layer_input = _input(args, kwargs)
         return capture_ops.Stage.apply(
             output, token, layer_input, self._probe, self._handle, self._index
         )
+
+
+def _input(args: tuple, kwargs: dict) -> Tensor:
+    """The layer call's input (its first argument), detached."""
+    return (args[0] if args else next(iter(kwargs.values()))).detach()
 
 
 class _Hook(_InertCopies):
