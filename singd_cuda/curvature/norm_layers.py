@@ -67,12 +67,18 @@ def _per_term(
         lead = values.shape[: values.dim() - len(shape)]
         if loss_average == "batch+sequence" or len(lead) <= 1:
             return values.reshape(-1, *shape)
-        dim = batch_dim if batch_dim < len(lead) else 0
+        dim = _batch_axis(lead, batch_dim)
         return values.movedim(dim, 0).reshape(lead[dim], -1, *shape).sum(1)
     channels = values.shape[1]
     if loss_average == "batch+sequence":
         return values.movedim(1, -1).reshape(-1, channels)
     return values.reshape(values.shape[0], channels, -1).sum(-1)
+
+
+def _batch_axis(lead: torch.Size, batch_dim: int) -> int:
+    """The axis of a LayerNorm's leading dimensions ``lead`` that holds its batch:
+    ``batch_dim``, or 0 when the output has no such axis."""
+    return batch_dim if batch_dim < len(lead) else 0
 
 
 def num_terms(module: nn.Module, grad: Tensor, loss_average: str | None, batch_dim: int = 0) -> int:
@@ -84,7 +90,7 @@ def num_terms(module: nn.Module, grad: Tensor, loss_average: str | None, batch_d
             return lead.numel()
         if not len(lead):
             return 1
-        return lead[batch_dim if batch_dim < len(lead) else 0]
+        return lead[_batch_axis(lead, batch_dim)]
     if loss_average == "batch+sequence":
         return grad.numel() // grad.shape[1]
     return grad.shape[0]

@@ -49,7 +49,7 @@ from .finite import GRADIENT, SCALER, STATISTICS, FactorUndo, FiniteCheck, skip_
 from .norm_fisher import norm_step
 from .precondition import precondition_layers, precondition_shards
 from .rule import LayerRule, scheduled
-from .scale_out import DEFAULT_BUCKET_CAP_MB, ScaleOut
+from .scale_out import DEFAULT_BUCKET_CAP_MB, ScaleOut, Shards
 from .statistics import StatisticsNormaliser
 
 STEP_NOT_COMPILED = (
@@ -413,13 +413,13 @@ class KroneckerOptimizer(Optimizer):
         # precondition and write
         for group in self.param_groups:
             recipe.momentum_from_ratio(group)
-        if self._sync is not None and self._sync.shards is not None:
+        if self._shards() is not None:
             precondition_shards(self, with_grad, grad_scale)  # every rank: its rows of each
         else:
             precondition_layers(self, owned, grad_scale)
             waiting = [layer for layer in waiting if self._owns(layer)]
         self._fallback_step(grad_scale, [p for layer in waiting for p in layer.params])
-        if self._sync is not None and self._sync.shards is None:
+        if self._sync is not None and self._shards() is None:
             self._sync.share_parameters()  # distribute_factors: the owners' layers
         norm_step(self, grad_scale)
         self._fallback_step(grad_scale, self._fallback_params)
@@ -444,8 +444,7 @@ class KroneckerOptimizer(Optimizer):
                 "or nn.EmbeddingBag with sparse=True): use sparse=False, or train those "
                 "parameters with torch.optim.SparseAdam and leave them out of params="
             )
-        sharded = self._sync is not None and self._sync.shards is not None
-        if sharded and any(g["weight_rescale"] for g in self.param_groups):
+        if self._shards() is not None and any(g["weight_rescale"] for g in self.param_groups):
             raise NotImplementedError(
                 "weight_rescale=True is not supported with FSDP2-sharded parameters"
             )
@@ -476,6 +475,10 @@ class KroneckerOptimizer(Optimizer):
         # state a checkpoint holds.
         waiting = [layer for layer in with_grad if self._seen_forward and not self._started(layer)]
         return [layer for layer in with_grad if layer not in waiting], waiting
+
+    def _shards(self) -> Shards | None:
+        """The FSDP2 part of the step, or None when the parameters are not sharded."""
+        return None if self._sync is None else self._sync.shards
 
     def _owns(self, layer: Layer) -> bool:
         """Whether this rank updates the layer's factors (always in one process)."""
@@ -571,7 +574,7 @@ class KroneckerOptimizer(Optimizer):
         """torch.optim's state dict, plus the optimizer kind under ``"optimizer"`` (its
         class name, so that :meth:`load_state_dict` can tell another optimizer's)."""
         state_dict = {**super().state_dict(), checkpoint.KIND_KEY: type(self).__name__}
-        shards = None if self._sync is None else self._sync.shards
+        shards = self._shards()
         if shards is not None:  # FSDP2: the shards' buffers as DTensors (for DCP)
             params = [p for g in self.param_groups for p in g["params"]]
             state_dict["state"] = {

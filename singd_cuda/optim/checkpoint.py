@@ -215,10 +215,9 @@ def prepared(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]
     loaded. ``optimizer``: a KroneckerOptimizer."""
     state_dict = by_index(state_dict)  # DCP's set_optimizer_state_dict: names
     foreign = set()
-    sync = optimizer._sync
-    if sync is not None and sync.shards is not None:
+    if optimizer._shards() is not None:
         # FSDP2: a rank holds the rows of layers it does not own
-        foreign = {id(p) for p in sync.foreign_params()}
+        foreign = {id(p) for p in optimizer._sync.foreign_params()}
     check_fits(optimizer, state_dict, buffers_only=foreign)
     _check_norm_fisher_kept(optimizer, state_dict)
     groups = [

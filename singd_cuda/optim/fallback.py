@@ -98,7 +98,7 @@ def fallback_step(opt: Optimizer, grad_scale: Tensor | None, params: list[Tensor
     for p in params:
         if p.grad is not None:
             by_group.setdefault(opt._param_group[id(p)], []).append(p)
-    shards = None if opt._sync is None else opt._sync.shards
+    shards = opt._shards()
     for index, members in by_group.items():
         group = opt.param_groups[index]
         states = [opt.state[p] for p in members]

@@ -39,7 +39,7 @@ def norm_step(opt: Optimizer, grad_scale: Tensor | None) -> None:
     """Normalisation-layer affine parameters under ``norm_fisher``: momentum SGD on
     grad / (F + norm_damping), F the diagonal empirical Fisher of the last update step
     (this step's statistics, when it has some). ``opt``: a KroneckerOptimizer."""
-    shards = None if opt._sync is None else opt._sync.shards
+    shards = opt._shards()
     for layer in opt._norm_layers:
         group = opt.group_of(layer)
         states = [opt.state[p] for p in layer.params]

@@ -54,7 +54,7 @@ def precondition_layers(opt: Optimizer, layers: list[Layer], grad_scale: Tensor 
 def precondition_shards(opt: Optimizer, layers: list[Layer], grad_scale: Tensor | None) -> None:
     """Every rank updates its rows of every layer of ``layers`` (FSDP2; the owner of a
     layer, or every rank, preconditions). ``opt``: a KroneckerOptimizer."""
-    sync = opt._sync
+    sync, shards = opt._sync, opt._shards()
     entries = []
     for layer in layers:
         group = opt.group_of(layer)
@@ -63,8 +63,8 @@ def precondition_shards(opt: Optimizer, layers: list[Layer], grad_scale: Tensor 
             rule.init_state(layer, group, opt.state[layer.weight])
         states = [opt.state[p] for p in layer.params]
         seed = opt._seed(group, layer.weight)
-        entries.append(sync.shards.entry(layer, rule, group, states, seed, sync.owner_of(layer)))
+        entries.append(shards.entry(layer, rule, group, states, seed, sync.owner_of(layer)))
     inv_scale = None
     if grad_scale is not None:
         inv_scale = grad_scale.to(opt._layers[0].weight.device, torch.float32).reciprocal()
-    sync.shards.step(entries, inv_scale)
+    shards.step(entries, inv_scale)
