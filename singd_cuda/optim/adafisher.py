@@ -15,8 +15,7 @@ with their modules by identity, not by index.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -33,6 +32,47 @@ from .scale_out import DEFAULT_BUCKET_CAP_MB
 ADAFISHER = "adafisher"
 
 
+class _Queued(NamedTuple):
+    """How one parameter is queued, kept between steps while its sources are the same
+    objects: the parameter, its buffer and the layer's scale vectors (the sources), their
+    matrices and slices, and where the gradient's matrix lies within a gradient strided
+    like the parameter (``grad_view``: shape, stride, offset from the tensor's start)."""
+
+    param: Tensor
+    buf_source: Tensor | None
+    row_source: Tensor
+    col_source: Tensor
+    matrix: Tensor
+    buf: Tensor | None
+    rows: Tensor
+    cols: Tensor
+    grad_view: tuple[tuple[int, ...], tuple[int, ...], int]
+
+
+class DiagonalViews:
+    """The :class:`_Queued` entries of the parameters a rule queues every step, so that a
+    warm step queues each parameter with a few identity checks instead of rebuilding its
+    views (a parameter that must be copied, e.g. channels_last, is never kept)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, _Queued] = {}
+
+    def get(self, param: Tensor, buf: Tensor | None, row: Tensor, col: Tensor) -> _Queued | None:
+        entry = self._entries.get(id(param))
+        if (
+            entry is None
+            or entry.param is not param
+            or entry.buf_source is not buf
+            or entry.row_source is not row
+            or entry.col_source is not col
+        ):
+            return None
+        return entry
+
+    def keep(self, entry: _Queued) -> None:
+        self._entries[id(entry.param)] = entry
+
+
 class DiagonalBatch:
     """The lists of one :func:`singd_cuda.ops.diag_precond_step_` call: each layer's
     weight as its (d_C, n) weight matrix (:meth:`LayerKind.weight_matrix`) and its bias as
@@ -44,35 +84,38 @@ class DiagonalBatch:
     its row and column scales swapped: the op's scale is the outer product of the two,
     elementwise the same. A tensor that cannot be viewed (e.g. a channels_last conv
     weight) is queued as a contiguous copy, and :meth:`write_back` copies the updated
-    parameters and buffers back after the op.
+    parameters and buffers back after the op. With ``views`` given, the views of a
+    parameter are kept there for the next step's batch.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, views: DiagonalViews | None = None) -> None:
         self.params: list[Tensor] = []
         self.grads: list[Tensor] = []
         self.bufs: list[Tensor] = []
         self.rows: list[Tensor] = []
         self.cols: list[Tensor] = []
+        self._views = views
         # (tensor, its updated matrix copy, (matrix, tensor) -> shaped like tensor, transposed)
         self._copies: list[tuple[Tensor, Tensor, Callable, bool]] = []
 
     def _matrix(
         self, tensor: Tensor, as_matrix, from_matrix, transposed: bool, updated: bool
-    ) -> Tensor:
-        """``as_matrix(tensor)`` (transposed if ``transposed``) as a contiguous view of
-        ``tensor``, else a copy (written back through ``from_matrix`` if ``updated``)."""
+    ) -> tuple[Tensor, bool]:
+        """(``as_matrix(tensor)`` (transposed if ``transposed``) as a contiguous view of
+        ``tensor``, True), else (a copy, written back through ``from_matrix`` if
+        ``updated``, False)."""
         matrix = as_matrix(tensor)
         if transposed:
             matrix = matrix.T
         shares = matrix.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
         if shares and matrix.is_contiguous():
-            return matrix
+            return matrix, True
         # as_matrix copied already (a layout reshape cannot view), or a strided view
         copy = matrix.clone(memory_format=torch.contiguous_format) if shares else matrix
         copy = copy.contiguous()
         if updated:
             self._copies.append((tensor, copy, from_matrix, transposed))
-        return copy
+        return copy, False
 
     def add(
         self, layer: Layer, states: list[dict], row: Tensor, col: Tensor, buf_key: str | None
@@ -80,31 +123,68 @@ class DiagonalBatch:
         """Queue the layer's parameters that have a gradient, with their buffers
         ``state[buf_key]`` (created as zeros in the parameter's dtype; none when
         ``buf_key`` is None)."""
-        kind = layer.kind
-        d_out = layer.dim_out
         start = 0
         for param, state in zip(layer.params, states, strict=True):
-            width = param.numel() // max(d_out, 1)
-            cols = col[start : start + width]
+            width = param.numel() // max(layer.dim_out, 1)
             start += width
-            if param.grad is None:
+            grad = param.grad
+            if grad is None:
                 continue  # e.g. a bias frozen after construction: leave it alone
-            if param is layer.weight:
-                as_matrix, from_matrix = kind.weight_matrix, kind.weight_from_matrix
-                view = as_matrix(param)
-                transposed = not view.is_contiguous() and view.T.is_contiguous()
-            else:
-                as_matrix, from_matrix = _column, _like
-                transposed = False
-            matrices = partial(self._matrix, as_matrix=as_matrix, from_matrix=from_matrix)
-            self.params.append(matrices(param, transposed=transposed, updated=True))
-            self.grads.append(matrices(param.grad, transposed=transposed, updated=False))
+            buf = None
             if buf_key is not None:
                 if buf_key not in state:
                     state[buf_key] = torch.zeros_like(param)
-                self.bufs.append(matrices(state[buf_key], transposed=transposed, updated=True))
-            self.rows.append(cols if transposed else row)
-            self.cols.append(row if transposed else cols)
+                buf = state[buf_key]
+            entry = None if self._views is None else self._views.get(param, buf, row, col)
+            if entry is None:
+                entry = self._queue(layer, param, buf, row, col, start - width, width)
+                if entry is None:
+                    continue  # queued as copies, with the gradient
+                if self._views is not None:
+                    self._views.keep(entry)
+            self.params.append(entry.matrix)
+            if entry.buf is not None:
+                self.bufs.append(entry.buf)
+            self.rows.append(entry.rows)
+            self.cols.append(entry.cols)
+            shape, stride, offset = entry.grad_view
+            if grad.stride() == param.stride() and grad.shape == param.shape:
+                self.grads.append(grad.as_strided(shape, stride, grad.storage_offset() + offset))
+            else:  # a gradient laid out unlike its parameter
+                self.grads.append(self._matrix(grad, *self._layout(layer, param), False)[0])
+
+    @staticmethod
+    def _layout(layer: Layer, param: Tensor) -> tuple[Callable, Callable, bool]:
+        """(as_matrix, from_matrix, transposed) of a parameter of ``layer``."""
+        if param is layer.weight:
+            view = layer.kind.weight_matrix(param)
+            transposed = not view.is_contiguous() and view.T.is_contiguous()
+            return layer.kind.weight_matrix, layer.kind.weight_from_matrix, transposed
+        return _column, _like, False
+
+    def _queue(
+        self, layer: Layer, param: Tensor, buf, row: Tensor, col: Tensor, start: int, width: int
+    ) -> _Queued | None:
+        """The entry of a parameter whose matrices are views; None when a copy had to be
+        queued (then the parameter, its gradient and buffer are queued here)."""
+        as_matrix, from_matrix, transposed = self._layout(layer, param)
+        cols = col[start : start + width]
+        rows, cols = (cols, row) if transposed else (row, cols)
+        matrix, viewed = self._matrix(param, as_matrix, from_matrix, transposed, True)
+        buf_matrix, buf_viewed = (None, True)
+        if buf is not None:
+            buf_matrix, buf_viewed = self._matrix(buf, as_matrix, from_matrix, transposed, True)
+        if viewed and buf_viewed:
+            offset = matrix.storage_offset() - param.storage_offset()
+            grad_view = (tuple(matrix.shape), matrix.stride(), offset)
+            return _Queued(param, buf, row, col, matrix, buf_matrix, rows, cols, grad_view)
+        self.params.append(matrix)
+        if buf_matrix is not None:
+            self.bufs.append(buf_matrix)
+        self.rows.append(rows)
+        self.cols.append(cols)
+        self.grads.append(self._matrix(param.grad, as_matrix, from_matrix, transposed, False)[0])
+        return None
 
     def lists(self) -> tuple[list[Tensor], ...]:
         return self.params, self.grads, self.bufs, self.rows, self.cols
@@ -210,6 +290,7 @@ class AdaFisherRule(LayerRule):
     def __init__(self) -> None:
         self._normalised = DerivedCache()  # (s′, h′) between factor updates
         self._normalise_many = StackedNormalise()
+        self._views = DiagonalViews()  # the parameters' views, between steps
 
     def init_state(self, layer: Layer, group: dict, state: dict) -> None:
         dtype = group["factor_dtype"] or layer.weight.dtype
@@ -280,7 +361,7 @@ class AdaFisherRule(LayerRule):
             s, h = self._counted_scales(layer, layer_states[0], stale)
             count = layer_states[0]["step"]
             if count not in by_count:
-                by_count[count] = (position, DiagonalBatch())
+                by_count[count] = (position, DiagonalBatch(self._views))
             by_count[count][1].add(layer, layer_states, s, h, "exp_avg")
         self._normalise_many(stale)
         for count, (position, batch) in by_count.items():

@@ -8,7 +8,7 @@ overwrite so that they can be undone when a flag is raised.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -81,16 +81,23 @@ class FiniteCheck:
         return next((i for i, r in enumerate(raised) if r), None)
 
 
-def tensors_of(value: Any) -> Iterator[Tensor]:
+def tensors_of(value: Any) -> list[Tensor]:
     """The floating-point tensors in a state or statistic (nested dicts, structures)."""
-    if isinstance(value, StructuredMatrix):
-        yield from value.parts.values()
+    found: list[Tensor] = []
+    _collect(value, found)
+    return found
+
+
+def _collect(value: Any, found: list[Tensor]) -> None:
+    # dicts and tensors first: StructuredMatrix is an ABC, whose isinstance check is slow
+    if isinstance(value, dict):
+        for item in value.values():
+            _collect(item, found)
     elif isinstance(value, Tensor):
         if value.is_floating_point():
-            yield value
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from tensors_of(item)
+            found.append(value)
+    elif isinstance(value, StructuredMatrix):
+        found.extend(value.parts.values())
 
 
 class FactorUndo:
@@ -146,11 +153,13 @@ class FactorUndo:
             buffer = self._vectors[id(value)] = torch.empty_like(value)
         return buffer
 
-    def updated(self) -> Iterator[Tensor]:
+    def updated(self) -> list[Tensor]:
         """The floating-point tensors of the saved states (as they are now)."""
+        found: list[Tensor] = []
         for state, copy in self._saved:
             for key in copy:
-                yield from tensors_of(state[key])
+                _collect(state[key], found)
+        return found
 
     def restore(self) -> None:
         for state, copy in self._saved:

@@ -8,7 +8,7 @@ live in bfloat16/float16 (``factor_dtype``) with float32 accumulation.
 
 from __future__ import annotations
 
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any, NamedTuple
 
 import torch
@@ -22,7 +22,7 @@ from ..structures.congruence import congruence, shared_statistic
 from ..structures.diagonal import Diagonal
 from . import hyperparameters as hp
 from . import warm_start
-from .adafisher import ADAFISHER, AdaFisherRule, DiagonalBatch
+from .adafisher import ADAFISHER, AdaFisherRule, DiagonalBatch, DiagonalViews
 from .base import KroneckerOptimizer, checked_fallback
 from .derived import DerivedCache, GroupCache
 from .factor_memory import warn_large_factors
@@ -53,6 +53,16 @@ def resolve_structures(spec: Any) -> tuple[str, str]:
         raise ValueError(f"{error} (or '{ADAFISHER}')") from None
 
 
+# multiply-adds a CPU does in about the time of one op dispatch (a few microseconds)
+NEGLIGIBLE_FLOPS = 2**15
+
+
+@lru_cache(maxsize=64)
+def _structure_classes(K_spec, C_spec) -> tuple[type[StructuredMatrix], type[StructuredMatrix]]:
+    """The structure classes of a group's ``structures`` (parsed once per pair)."""
+    return structure_registry.get(K_spec), structure_registry.get(C_spec)
+
+
 class SingdRule(LayerRule):
     """SINGD's factor update and preconditioning for one layer (DESIGN.md section 2)."""
 
@@ -60,10 +70,10 @@ class SingdRule(LayerRule):
         self._squares = DerivedCache()  # diagonal path: DiagonalSquares between factor updates
         self._outer = DerivedCache()  # (C Cᵀ or None, K Kᵀ or None) between factor updates
         self._stacked = GroupCache()  # the same of groups of layers, stacked
+        self._views = DiagonalViews()  # diagonal path: the parameters' views, between steps
 
     def _classes(self, group: dict) -> tuple[type[StructuredMatrix], type[StructuredMatrix]]:
-        K_spec, C_spec = group["structures"]
-        return structure_registry.get(K_spec), structure_registry.get(C_spec)
+        return _structure_classes(*group["structures"])
 
     def _factors(self, layer: Layer, group: dict, state: dict) -> dict[str, StructuredMatrix]:
         S_K, S_C = self._classes(group)
@@ -160,12 +170,22 @@ class SingdRule(LayerRule):
         """:func:`singd_cuda.ops.diag_precond_step_` (mode "singd") over every layer:
         Ĝ = c² ⊙ G ⊙ k² and momentum SGD, in one pass over W, G and the buffers."""
         momentum = group["momentum"]
-        batch = DiagonalBatch()
-        for layer, layer_states in zip(layers, states, strict=True):
-            state = layer_states[0]
-            squares = self._squares.get(layer, (state["C"]["diag"], state["K"]["diag"]), _squares)
-            buf_key = "momentum_buffer" if momentum != 0.0 else None
-            batch.add(layer, layer_states, squares.c2, squares.k2, buf_key)
+        stale: list[tuple[Tensor, Tensor, DiagonalSquares]] = []  # filled as one batch
+
+        def derive(c: Tensor, k: Tensor, out: DiagonalSquares | None) -> DiagonalSquares:
+            out = _square_buffers(c, k) if out is None else out
+            stale.append((c, k, out))
+            return out
+
+        squares = [
+            self._squares.get(layer, (s[0]["C"]["diag"], s[0]["K"]["diag"]), derive)
+            for layer, s in zip(layers, states, strict=True)
+        ]
+        _fill_squares(stale)
+        batch = DiagonalBatch(self._views)
+        buf_key = "momentum_buffer" if momentum != 0.0 else None
+        for layer, layer_states, layer_squares in zip(layers, states, squares, strict=True):
+            batch.add(layer, layer_states, layer_squares.c2, layer_squares.k2, buf_key)
         ops.diag_precond_step_(
             *batch.lists(),
             mode="singd",
@@ -182,23 +202,26 @@ class SingdRule(LayerRule):
         """The diagonal factor update of both sides of every layer in one
         :func:`diag_factor_update_`, its scalars in the layers' cached buffers (no
         allocation)."""
-        factors, momenta, h, a, b = [], [], [], [], []
+        factors, momenta, h, a, b, means, inv_dims = [], [], [], [], [], [], []
         for layer, state, pending in zip(layers, states, pendings, strict=True):
             k, c = state["K"]["diag"], state["C"]["diag"]
             acc = torch.float64 if k.dtype == torch.float64 else torch.float32
-            h_K = pending["in"].parts["diag"].to(acc)
-            h_C = pending["out"].parts["diag"].to(acc)
+            h_K, h_C = pending["in"].parts["diag"], pending["out"].parts["diag"]
+            if h_K.dtype != acc:  # (a no-op .to still costs a dispatch)
+                h_K, h_C = h_K.to(acc), h_C.to(acc)
             factors += [k, c]
             momenta += [state["m_K"]["diag"], state["m_C"]["diag"]]
             h += [h_K, h_C]
             if not group["kfac_like"]:
                 squares = self._squares.get(layer, (c, k), _squares)
-                means = squares.means  # tr̄(H) of the other side
-                torch.sum(h_C, 0, keepdim=True, out=means[0:1])
-                torch.sum(h_K, 0, keepdim=True, out=means[1:2])
-                means.mul_(squares.inv_dims)
-                a += [means[0:1], means[1:2]]
-                b += [squares.traces[0:1], squares.traces[1:2]]  # tr̄(Π̂(otherᵀ other))
+                torch.sum(h_C, 0, keepdim=True, out=squares.mean_parts[0])
+                torch.sum(h_K, 0, keepdim=True, out=squares.mean_parts[1])
+                means.append(squares.means)  # tr̄(H) of the other side, once scaled
+                inv_dims.append(squares.inv_dims)
+                a += squares.mean_parts
+                b += squares.trace_parts  # tr̄(Π̂(otherᵀ other))
+        if means:
+            torch._foreach_mul_(means, inv_dims)
         ops.diag_factor_update_(
             factors,
             momenta,
@@ -301,12 +324,15 @@ class SingdRule(LayerRule):
         """(C Cᵀ, K Kᵀ), or None for a side whose structure has no cheap form of it or
         where forming it costs more than the T steps it would save: with w nonzeros per
         row, forming is d·w² and each step saves one d·w·d_other product, so a side is
-        formed when 2w <= T·d_other."""
+        formed when 2w <= T·d_other, or when forming is negligible (d·w² below
+        ``NEGLIGIBLE_FLOPS``: then the host time of the per-layer products decides, and
+        formed products are preconditioned as one stack)."""
         period = scheduled(group["T"], step)
         pair = []
         for side, other_dim in (("C", layer.dim_in), ("K", layer.dim_out)):
             factor = f[side]
-            worth = 2 * type(factor).row_width(factor.dim) <= period * other_dim
+            width = type(factor).row_width(factor.dim)
+            worth = 2 * width <= period * other_dim or factor.dim * width**2 <= NEGLIGIBLE_FLOPS
             cheap = type(factor).has_times_transpose(factor.dim)
             pair.append(factor.times_transpose() if worth and cheap else None)
         return tuple(pair)
@@ -449,8 +475,9 @@ class DiagonalSquares(NamedTuple):
     (d_K), all in the accumulation dtype: c² and k²; ``traces`` (2,): tr̄ of c² and k² as
     rounded to the storage dtype (Π̂(CᵀC), Π̂(KᵀK) as ``project_inner`` stores them);
     ``means`` (2,): scratch for tr̄(H_C), tr̄(H_K); ``inv_dims`` (2,): 1/d_C, 1/d_K;
-    ``rounded``: storage-dtype scratch (half storage only). Averages are sums times
-    ``inv_dims``: a Python-scalar division would allocate a 0-dim tensor."""
+    ``rounded``: storage-dtype scratch (half storage only); ``trace_parts`` and
+    ``mean_parts``: the (1,) views of each entry of ``traces`` and ``means``. Averages
+    are sums times ``inv_dims``: a Python-scalar division would allocate a 0-dim tensor."""
 
     c2: Tensor
     k2: Tensor
@@ -458,24 +485,58 @@ class DiagonalSquares(NamedTuple):
     means: Tensor
     inv_dims: Tensor
     rounded: tuple[Tensor, Tensor] | None
+    trace_parts: tuple[Tensor, Tensor]
+    mean_parts: tuple[Tensor, Tensor]
 
 
 def _squares(c: Tensor, k: Tensor, out: DiagonalSquares | None = None) -> DiagonalSquares:
     """:class:`DiagonalSquares` of the factors c and k, into ``out``'s buffers if given."""
-    acc = accumulation_dtype(c.dtype)
-    if out is None:
-        new = partial(c.new_empty, dtype=acc)
-        inv_dims = torch.tensor([1 / max(c.numel(), 1), 1 / max(k.numel(), 1)], dtype=acc)
-        rounded = (torch.empty_like(c), torch.empty_like(k)) if c.dtype != acc else None
-        out = DiagonalSquares(
-            new(c.shape), new(k.shape), new(2), new(2), inv_dims.to(c.device), rounded
-        )
-    for i, (factor, square) in enumerate(((c, out.c2), (k, out.k2))):
-        square.copy_(factor).square_()
-        stored = square if out.rounded is None else out.rounded[i].copy_(square)
-        torch.sum(stored, 0, keepdim=True, dtype=acc, out=out.traces[i : i + 1])
-    out.traces.mul_(out.inv_dims)
+    out = _square_buffers(c, k) if out is None else out
+    _fill_squares([(c, k, out)])
     return out
+
+
+def _square_buffers(c: Tensor, k: Tensor) -> DiagonalSquares:
+    """New (unfilled) :class:`DiagonalSquares` buffers for the factors c and k."""
+    acc = accumulation_dtype(c.dtype)
+    new = partial(c.new_empty, dtype=acc)
+    inv_dims = torch.tensor([1 / max(c.numel(), 1), 1 / max(k.numel(), 1)], dtype=acc)
+    rounded = (torch.empty_like(c), torch.empty_like(k)) if c.dtype != acc else None
+    traces, means = new(2), new(2)
+    return DiagonalSquares(
+        new(c.shape),
+        new(k.shape),
+        traces,
+        means,
+        inv_dims.to(c.device),
+        rounded,
+        (traces[0:1], traces[1:2]),
+        (means[0:1], means[1:2]),
+    )
+
+
+def _fill_squares(entries: list[tuple[Tensor, Tensor, DiagonalSquares]]) -> None:
+    """Fill each (c, k, out) entry's :class:`DiagonalSquares` from its factors: the squares
+    and the scalings by the dimensions as one multi-tensor call each, the traces one sum
+    per vector."""
+    if not entries:
+        return
+    squares = [square for _, _, out in entries for square in (out.c2, out.k2)]
+    torch._foreach_copy_(squares, [factor for c, k, _ in entries for factor in (c, k)])
+    torch._foreach_mul_(squares, squares)
+    rounded = [r for _, _, out in entries if out.rounded is not None for r in out.rounded]
+    if rounded:
+        torch._foreach_copy_(
+            rounded, [sq for _, _, out in entries if out.rounded is not None for sq in out[:2]]
+        )
+    for _, _, out in entries:
+        acc = out.traces.dtype
+        stored = (out.c2, out.k2) if out.rounded is None else out.rounded
+        for vector, trace in zip(stored, out.trace_parts, strict=True):
+            torch.sum(vector, 0, keepdim=True, dtype=acc, out=trace)
+    torch._foreach_mul_(
+        [out.traces for _, _, out in entries], [out.inv_dims for _, _, out in entries]
+    )
 
 
 class SINGD(KroneckerOptimizer):
