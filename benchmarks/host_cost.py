@@ -29,6 +29,7 @@ import contextlib
 import datetime
 import platform
 import shlex
+import statistics
 import sys
 import time
 import warnings
@@ -151,6 +152,34 @@ class Competitor:
         """Forward + backward, the capture's hooks and statistics included."""
         return amortized_ms(self.backward_times, self.updates, self.T)
 
+    def after_read_us(self, steps: int) -> float | None:
+        """Median host µs of a step after its device->host read (None: no read).
+
+        The read drains the device; until the step's host work after it queues kernels
+        again, the device idles, so on a GPU the read costs at most this (plus the
+        round trip of the transfer), whatever the model."""
+        verdict = getattr(self.opt, "_verdict", None)
+        if verdict is None:
+            return None
+        marks: list[float] = []
+
+        def timed_verdict():
+            reason = verdict()
+            marks.append(time.perf_counter())
+            return reason
+
+        self.opt._verdict = timed_verdict  # the instance attribute shadows the method
+        gaps = []
+        try:
+            for _ in range(steps):
+                count = len(marks)
+                self.iteration(timed=False)
+                if len(marks) > count:
+                    gaps.append(time.perf_counter() - marks[-1])
+        finally:
+            del self.opt._verdict
+        return 1e6 * statistics.median(gaps) if gaps else None
+
     def reads(self) -> Counter:
         """The library's device->host reads over one period of T steady-state iterations,
         by call site."""
@@ -198,6 +227,7 @@ def measure(model_name: str, steps: int) -> list[dict]:
         row["vs_adamw"] = row["overhead_ms"] / adamw
         sites = c.reads()
         row["reads"] = sum(sites.values())
+        row["after_read_us"] = c.after_read_us(max(steps // 2, 1))
         row["read_sites"] = dict(sites.most_common())
     return [{"plain_ms": base, **row} for row in rows]
 
@@ -209,14 +239,15 @@ def table(model_name: str, rows: list[dict], steps: int) -> list[str]:
         f"steps (plain forward + backward {rows[0]['plain_ms']:.2f} ms)",
         "",
         "| optimizer | iteration ms | overhead ms | per layer µs | / AdamW | capture µs "
-        "| step µs | capture / AdamW | reads per T steps |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| step µs | capture / AdamW | reads per T steps | after the read µs |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        after = "—" if r["after_read_us"] is None else f"{r['after_read_us']:.0f}"
         lines.append(
             f"| {r['optimizer']} | {r['iteration_ms']:.2f} | {r['overhead_ms']:.2f} | "
             f"{r['per_layer_us']:.0f} | {r['vs_adamw']:.2f}x | {r['capture_us']:.0f} | "
-            f"{r['step_us']:.0f} | {r['capture_vs_adamw']:.2f}x | {r['reads']} |"
+            f"{r['step_us']:.0f} | {r['capture_vs_adamw']:.2f}x | {r['reads']} | {after} |"
         )
     lines += [
         "",
@@ -224,7 +255,10 @@ def table(model_name: str, rows: list[dict], steps: int) -> list[str]:
         "(hook-free) forward + backward, amortized over T; step = the rest of the overhead. "
         "Capture / AdamW: the part of the ratio the capture alone takes (the floor while "
         "statistics are captured in per-layer Python hooks; a ratio target leaves the step "
-        "the rest).",
+        "the rest). After the read: the step's host time after its one device->host "
+        "read (median per step, not per layer); on a GPU the read drains the device, which "
+        "then idles until this host work queues kernels again, so this bounds what the "
+        "read costs there.",
     ]
     sites: Counter = Counter()
     for r in rows:
