@@ -62,7 +62,15 @@ def optimizers() -> dict[str, tuple[int, Callable[[nn.Module], torch.optim.Optim
     return {
         "AdamW (foreach)": (1, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=True)),
         "AdaFisher (T=1)": (1, lambda m: AdaFisher(m, lr=1e-4)),
+        "AdaFisher (T=1), nonfinite='device'": (
+            1,
+            lambda m: AdaFisher(m, lr=1e-4, nonfinite="device"),
+        ),
         "SINGD diagonal T=1": (1, lambda m: SINGD(m, lr=1e-4, structures="diagonal", T=1)),
+        "SINGD diagonal T=1, nonfinite='device'": (
+            1,
+            lambda m: SINGD(m, lr=1e-4, structures="diagonal", T=1, nonfinite="device"),
+        ),
         "SINGD diagonal T=10": (10, lambda m: SINGD(m, lr=1e-4, structures="diagonal", T=10)),
         "SINGD block_diagonal:32 T=1": (1, lambda m: SINGD(m, lr=1e-4, T=1)),
         "SINGD block_diagonal:32 T=10": (10, lambda m: SINGD(m, lr=1e-4, T=10)),

@@ -347,7 +347,7 @@ class AdaFisherRule(LayerRule):
     def fuses_apply(self, group: dict) -> bool:
         return True
 
-    def apply_many(self, layers, group, states, inv_scale, step: int, seed: int):
+    def apply_many(self, layers, group, states, inv_scale, step: int, seed: int, found_inf=None):
         """:func:`singd_cuda.ops.diag_precond_step_` (mode "adafisher") over every layer:
         F̃ = s′ ⊗ h′ + λ is formed on the fly, never materialised.
 
@@ -366,7 +366,7 @@ class AdaFisherRule(LayerRule):
         self._normalise_many(stale)
         for count, (position, batch) in by_count.items():
             # the first layer's position: distinct random bits
-            self._step_batch(batch, group, inv_scale, step, count, seed + position)
+            self._step_batch(batch, group, inv_scale, step, count, seed + position, found_inf)
 
     def _counted_scales(
         self, layer: Layer, state: dict, stale: list | None = None
@@ -389,7 +389,9 @@ class AdaFisherRule(LayerRule):
         return s, h
 
     @staticmethod
-    def _step_batch(batch: DiagonalBatch, group, inv_scale, step: int, count: int, seed: int):
+    def _step_batch(
+        batch: DiagonalBatch, group, inv_scale, step: int, count: int, seed: int, found_inf=None
+    ):
         ops.diag_precond_step_(
             *batch.lists(),
             mode="adafisher",
@@ -402,6 +404,7 @@ class AdaFisherRule(LayerRule):
             inv_scale=inv_scale,
             stochastic_rounding=group["stochastic_rounding"],
             seed=seed,
+            found_inf=found_inf,
         )
         batch.write_back()
 
@@ -456,7 +459,10 @@ class AdaFisher(KroneckerOptimizer):
             ``scaler.unscale_(opt)`` runs before ``scaler.step(opt)`` (default None).
         nonfinite: ``"warn"`` (default) or ``"raise"`` (``FloatingPointError``) when a
             gradient or statistic is non-finite without a GradScaler; the step is skipped
-            with every state unchanged either way.
+            with every state unchanged either way (one device read per step decides it).
+            ``"device"``: the skip is decided on the device without a read (every write
+            consumes it; no tensor changes, the host counters count the step) and warned
+            about at a later step (docs/concepts/curvature.md).
         process_group: the torch.distributed group to synchronise over (default None: WORLD
             when torch.distributed is initialised).
         distribute_factors: each rank updates and holds the factors of the layers it owns

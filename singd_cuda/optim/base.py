@@ -45,7 +45,16 @@ from ..structures.base import accumulation_dtype
 from . import checkpoint, hyperparameters, recipe, scale_out, summary
 from .factor_update import update_factors
 from .fallback import fallback_step, in_fallback
-from .finite import GRADIENT, SCALER, STATISTICS, FactorUndo, FiniteCheck, skip_message, tensors_of
+from .finite import (
+    GRADIENT,
+    SCALER,
+    STATISTICS,
+    FactorUndo,
+    FiniteCheck,
+    LateVerdict,
+    skip_message,
+    tensors_of,
+)
 from .norm_fisher import norm_step
 from .precondition import precondition_layers, precondition_shards
 from .rule import LayerRule, scheduled
@@ -92,8 +101,8 @@ class KroneckerOptimizer(Optimizer):
                 f"the first argument must be the model (an nn.Module), got {type(model).__name__}; "
                 f"use {type(self).__name__}(model, lr=...) rather than passing parameters first"
             )
-        if nonfinite not in ("warn", "raise"):
-            raise ValueError(f"nonfinite must be 'warn' or 'raise', got {nonfinite!r}")
+        if nonfinite not in ("warn", "raise", "device"):
+            raise ValueError(f"nonfinite must be 'warn', 'raise' or 'device', got {nonfinite!r}")
         model, ddp_wrapped = scale_out.plug().unwrap(model)  # hooks go on the inner module
         self.model = model
         self.grad_scaler = grad_scaler
@@ -105,6 +114,7 @@ class KroneckerOptimizer(Optimizer):
         # layer states first created by this step's statistics: (param, previous state)
         self._created: dict[Layer, list[tuple[Tensor, dict]]] = {}
         self._finite = FiniteCheck(reasons=4)
+        self._late = LateVerdict()  # nonfinite='device': a skip's flags, reported late
         self._normalise = StatisticsNormaliser()
         self._counter = LossTermCounter(type(self).__name__)
         self._undo = FactorUndo()
@@ -358,7 +368,11 @@ class KroneckerOptimizer(Optimizer):
             return None, None, None
         # scaler.unscale_(opt) ran before step: gradients are unscaled, statistics are not
         if self.grad_scaler is not None:
-            return None, self.grad_scaler.get_scale() * torch.ones((), device="cpu"), found_inf
+            # the scaler's scale tensor, unread (get_scale() would read it to the host)
+            scale = self.grad_scaler._get_scale_async()
+            if scale is None:
+                scale = torch.tensor(self.grad_scaler.get_scale())
+            return None, scale, found_inf
         if self._capture.committed:
             raise ValueError(
                 "scaler.unscale_(optimizer) was called before step, so the optimizer cannot "
@@ -390,6 +404,7 @@ class KroneckerOptimizer(Optimizer):
         return loss
 
     def _step(self) -> None:
+        self._report_late()
         grad_scale, stats_scale, found_inf = self._loss_scale()
         # gather: the statistics as one batch's, averaged over the ranks before any decision
         self._pending = self._normalise(self._capture.committed, self._loss_average, stats_scale)
@@ -397,17 +412,22 @@ class KroneckerOptimizer(Optimizer):
             grad_scale, found_inf = self._synchronise(grad_scale, found_inf)
         # states created by statistics that were discarded before the step (zero_grad)
         self._restore_created([layer for layer in self._created if layer not in self._pending])
-        # validate: flags raised on the device, read once after the factor updates
+        # validate: flags raised on the device, read once after the factor updates (or,
+        # with nonfinite='device', consumed there by every write)
         self._check(found_inf)
         with_grad, waiting = self._layers_to_step()
         owned = [layer for layer in with_grad if self._owns(layer)]
         # update factors, undone when a flag was raised
         self._update_factors(owned)
-        reason = self._verdict()
-        if reason is not None:
-            self._undo.restore()
-            return self._skip(skip_message(type(self).__name__, reason))
-        self._undo.clear()
+        skip = self._decided_on_device()
+        if skip is not None:
+            self._undo.restore_where(skip)
+        else:
+            reason = self._verdict()
+            if reason is not None:
+                self._undo.restore()
+                return self._skip(skip_message(type(self).__name__, reason))
+            self._undo.clear()
         if waiting:
             self._warn_waiting(waiting)
         # precondition and write
@@ -416,13 +436,13 @@ class KroneckerOptimizer(Optimizer):
         if self._shards() is not None:
             precondition_shards(self, with_grad, grad_scale)  # every rank: its rows of each
         else:
-            precondition_layers(self, owned, grad_scale)
+            precondition_layers(self, owned, grad_scale, skip)
             waiting = [layer for layer in waiting if self._owns(layer)]
-        self._fallback_step(grad_scale, [p for layer in waiting for p in layer.params])
+        self._fallback_step(grad_scale, [p for layer in waiting for p in layer.params], skip)
         if self._sync is not None and self._shards() is None:
             self._sync.share_parameters()  # distribute_factors: the owners' layers
         norm_step(self, grad_scale)
-        self._fallback_step(grad_scale, self._fallback_params)
+        self._fallback_step(grad_scale, self._fallback_params, skip)
         for group in self.param_groups:
             group["step"] += 1
         self._forget_statistics()
@@ -456,6 +476,40 @@ class KroneckerOptimizer(Optimizer):
             local = grads if self._sync is None else self._sync.local_tensors(grads)
             self._finite.check(local, GRADIENT)
         self._finite.check(tensors_of(self._pending), STATISTICS)
+
+    def _decided_on_device(self) -> Tensor | None:
+        """With ``nonfinite='device'``: the step's skip flag as a one-element tensor on the
+        device (> 0: skip), which every write of the step consumes, and its flags staged
+        for a late warning (:meth:`_report_late`). None where the step reads its verdict
+        instead: the other modes, and the steps it cannot predicate on the device:
+        distributed training, a step that creates states (a layer's first statistics:
+        dropping them is a host decision), flags on several devices, ``norm_fisher`` or
+        ``weight_rescale`` (writes outside the predicated ops)."""
+        if (
+            self.nonfinite != "device"
+            or self._sync is not None
+            or self._created
+            or self._finite.device() is None
+            or any(g["norm_fisher"] or g["weight_rescale"] for g in self.param_groups)
+        ):
+            return None
+        flags = self._finite.flags()
+        self._late.stage(flags)
+        return flags.amax(0, keepdim=True)
+
+    def _report_late(self) -> None:
+        """Warn about an earlier step skipped on the device, once its flags have reached
+        the host (no synchronisation: a copy still in flight is looked at next step)."""
+        for reason in self._late.landed():
+            message = skip_message(type(self).__name__, reason)
+            if not message:
+                continue  # the GradScaler's routine skip
+            warnings.warn(
+                f"{message} [an earlier step, skipped on the device: nonfinite='device' "
+                "reports a skip once its flags reach the host]",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
     def _verdict(self) -> int | None:
         """The reason to skip this step (the one device-to-host read of a step), or None."""
@@ -566,8 +620,10 @@ class KroneckerOptimizer(Optimizer):
         """
         return group["step"] * 1_000_003 + self._param_index[id(param)]
 
-    def _fallback_step(self, grad_scale: Tensor | None, params: list[Tensor]) -> None:
-        fallback_step(self, grad_scale, params)
+    def _fallback_step(
+        self, grad_scale: Tensor | None, params: list[Tensor], found_inf: Tensor | None
+    ) -> None:
+        fallback_step(self, grad_scale, params, found_inf)
 
     # ---------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -27,6 +27,7 @@ def adam_directions(
     states: list[dict],
     betas: tuple[float, float],
     eps: float,
+    found_inf: Tensor | None = None,
 ) -> list[Tensor]:
     """Update the moments and return AdamW's bias-corrected step directions m̂ / (√v̂ + ε),
     one foreach call per operation for all parameters.
@@ -34,7 +35,8 @@ def adam_directions(
     State per parameter: ``step`` (float32 scalar tensor on the CPU), ``exp_avg``,
     ``exp_avg_sq`` in the parameter's dtype, created on the first call. ``grads`` are
     unscaled, shaped like ``params``; the math and the returned directions are float32
-    (float64 for float64 parameters).
+    (float64 for float64 parameters). ``found_inf`` (one-element tensor, > 0: skip): the
+    moments keep their values, selected on the device; the host ``step`` counts anyway.
     """
     for param, state in zip(params, states, strict=True):
         if "step" not in state:
@@ -49,8 +51,12 @@ def adam_directions(
     torch._foreach_add_(exp_avg, g, alpha=1.0 - beta1)
     exp_avg_sq = torch._foreach_mul([upcast(state["exp_avg_sq"]) for state in states], beta2)
     torch._foreach_addcmul_(exp_avg_sq, g, g, value=1.0 - beta2)
-    torch._foreach_copy_([state["exp_avg"] for state in states], exp_avg)
-    torch._foreach_copy_([state["exp_avg_sq"] for state in states], exp_avg_sq)
+    for key, new in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        moments = [state[key] for state in states]
+        if found_inf is not None:  # the old moments where the step is skipped
+            raised = found_inf.reshape(()) > 0
+            new = [torch.where(raised, m, n) for m, n in zip(moments, new, strict=True)]
+        torch._foreach_copy_(moments, new)
     denom = torch._foreach_div(exp_avg_sq, [1.0 - beta2**step for step in steps])
     torch._foreach_sqrt_(denom)
     torch._foreach_add_(denom, eps)
@@ -70,30 +76,38 @@ def adamw_update_(
     weight_decay: float,
     stochastic_rounding: bool = False,
     seed: int = 0,
+    found_inf: Tensor | None = None,
 ) -> None:
     """One AdamW step (as torch.optim.AdamW) on every parameter, written in one
     :func:`singd_cuda.ops.sgd_epilogue_` call (decoupled weight decay, no momentum).
 
     ``grads`` are the unscaled gradients, shaped like ``params``; ``states`` hold the
-    moments (see :func:`adam_directions`); ``stochastic_rounding`` and ``seed`` as in
-    :mod:`singd_cuda.ops`.
+    moments (see :func:`adam_directions`); ``stochastic_rounding``, ``seed`` and
+    ``found_inf`` as in :mod:`singd_cuda.ops`.
     """
     ops.sgd_epilogue_(
         params,
-        adam_directions(params, grads, states, betas, eps),
+        adam_directions(params, grads, states, betas, eps, found_inf),
         [],
         lr=lr,
         weight_decay=weight_decay,
         decoupled=True,
         stochastic_rounding=stochastic_rounding,
         seed=seed,
+        found_inf=found_inf,
     )
 
 
-def fallback_step(opt: Optimizer, grad_scale: Tensor | None, params: list[Tensor]) -> None:
+def fallback_step(
+    opt: Optimizer,
+    grad_scale: Tensor | None,
+    params: list[Tensor],
+    found_inf: Tensor | None = None,
+) -> None:
     """AdamW on those of ``params`` that have a gradient (still scaled by ``grad_scale``
     when given), one write per parameter group; FSDP2 shards are updated as
-    torch.optim.AdamW updates them. ``opt``: a KroneckerOptimizer."""
+    torch.optim.AdamW updates them. ``found_inf``: None, or the step's skip flag decided
+    on the device. ``opt``: a KroneckerOptimizer."""
     by_group: dict[int, list[Tensor]] = {}
     for p in params:
         if p.grad is not None:
@@ -116,4 +130,5 @@ def fallback_step(opt: Optimizer, grad_scale: Tensor | None, params: list[Tensor
             weight_decay=group["fallback_weight_decay"],
             stochastic_rounding=group["stochastic_rounding"],
             seed=seed,
+            found_inf=found_inf,
         )

@@ -80,6 +80,51 @@ class FiniteCheck:
                 raised[i] = raised[i] or value > 0
         return next((i for i, r in enumerate(raised) if r), None)
 
+    def device(self) -> torch.device | None:
+        """The one device the flags live on (None: none yet, or several)."""
+        return next(iter(self._buffers)) if len(self._buffers) == 1 else None
+
+    def flags(self) -> Tensor:
+        """The (reasons,) float32 flags on their one device (see :meth:`device`)."""
+        return next(iter(self._buffers.values()))[0]
+
+
+class LateVerdict:
+    """The flags of steps decided on the device, copied to the host without waiting, and
+    the reasons they hold once their copies have landed (a step or more later).
+
+    On CUDA each copy goes to pinned memory behind an event; :meth:`landed` asks the events
+    (no synchronisation) and reads only the copies that are complete, so a skip is
+    reported at the first step that finds its copy landed. On the CPU a copy lands at
+    once (the next step reports it).
+    """
+
+    def __init__(self) -> None:
+        self._staged: list[tuple[Tensor, Any]] = []  # (host copy, CUDA event or None)
+
+    def stage(self, flags: Tensor) -> None:
+        host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=flags.is_cuda)
+        host.copy_(flags, non_blocking=flags.is_cuda)
+        event = None
+        if flags.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        self._staged.append((host, event))
+
+    def landed(self) -> list[int]:
+        """The lowest raised reason of each staged copy that is on the host now, oldest
+        first (copies with nothing raised left out); those copies are forgotten."""
+        reasons = []
+        while self._staged:
+            host, event = self._staged[0]
+            if event is not None and not event.query():
+                break  # later copies land after this one
+            self._staged.pop(0)
+            # host memory, filled by the copy above: reading it waits for no device
+            raised = [i for i, value in enumerate(host.numpy().tolist()) if value > 0]
+            reasons += raised[:1]
+        return reasons
+
 
 def tensors_of(value: Any) -> list[Tensor]:
     """The floating-point tensors in a state or statistic (nested dicts, structures)."""
@@ -166,6 +211,15 @@ class FactorUndo:
             _restore(state, copy)
         self.clear()
 
+    def restore_where(self, found: Tensor) -> None:
+        """Restore every saved tensor where ``found`` (a one-element tensor on their
+        device) is > 0, decided elementwise on the device (no read): a predicated select
+        per tensor. Saved host values (counters, flags) keep what the update made of them."""
+        raised = found.reshape(()) > 0
+        for state, copy in self._saved:
+            _restore_where(state, copy, raised)
+        self.clear()
+
     def clear(self) -> None:
         self._saved.clear()
 
@@ -178,6 +232,14 @@ def _restore(state: dict, copy: dict) -> None:
             state[key].copy_(value)
         else:
             state[key] = value
+
+
+def _restore_where(state: dict, copy: dict, raised: Tensor) -> None:
+    for key, value in copy.items():
+        if isinstance(value, dict):
+            _restore_where(state[key], value, raised)
+        elif isinstance(value, Tensor):
+            torch.where(raised, value, state[key], out=state[key])
 
 
 # The reasons of a skipped step, by priority (the flags of a step's FiniteCheck).

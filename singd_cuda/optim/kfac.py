@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..curvature.layers import Layer, split_matrix
+from ..curvature.layers import Layer, gradient_matrix, split_matrix
 from ..structures.base import accumulation_dtype
 from . import hyperparameters as hp
 from .base import KroneckerOptimizer, checked_fallback
@@ -74,24 +74,66 @@ class KfacRule(LayerRule):
         pending["out"] = pending["out"].add_(G_new) if "out" in pending else G_new
 
     def update_factors(self, layer, group, state, pending, step: int) -> None:
-        # the first update takes the statistics as they are (no bias towards zero)
-        decay = group["stat_decay"] if state["factor_updates"] > 0 else 0.0
-        for key, new in (("A", pending["in"]), ("G", pending["out"])):
-            ema = state[key].to(new.dtype).mul_(decay).add_(new, alpha=1.0 - decay)
-            state[key].copy_(ema)
-        state["factor_updates"] += 1
-        first = state["factor_updates"] == 1
-        if first or step - state["inverted_at"] >= (group["T_inv"] or 1):
-            state["inverted_at"] = step
-            root = math.sqrt(scheduled(group["damping"], step))
-            for key in ("A", "G"):
-                state[f"{key}_inv"].copy_(damped_inverse(state[key], root, group["inverse"]))
+        self.update_factors_many([layer], group, [state], [pending], step)
 
-    def apply(self, layer, group, states, G: Tensor, step: int, seed: int) -> None:
+    def group_key(self, layer, group, state):
+        """Layers whose factors hold their statistics' dtype update together (the EMA is
+        elementwise, whatever the shapes); others (low-precision factors) one by one."""
+        dtype = state["A"].dtype
+        return ("kfac", dtype) if dtype == accumulation_dtype(layer.weight.dtype) else None
+
+    def update_factors_many(self, layers, group, states, pendings, step: int) -> None:
+        """A ← decay·A + (1 − decay)·A_new and G likewise for every layer, one multi-tensor
+        multiply and add per decay (the first update of a layer takes its statistics as
+        they are), then the inversions that are due, layer by layer."""
+        by_decay: dict[float, tuple[list[Tensor], list[Tensor]]] = {}
+        casts: list[tuple[Tensor, Tensor]] = []  # (low-precision factor, its EMA)
+        for state, pending in zip(states, pendings, strict=True):
+            # the first update takes the statistics as they are (no bias towards zero)
+            decay = group["stat_decay"] if state["factor_updates"] > 0 else 0.0
+            emas, news = by_decay.setdefault(decay, ([], []))
+            for key, new in (("A", pending["in"]), ("G", pending["out"])):
+                ema = state[key]
+                if ema.dtype != new.dtype:
+                    casts.append((ema, ema := ema.to(new.dtype)))
+                emas.append(ema)
+                news.append(new)
+        for decay, (emas, news) in by_decay.items():
+            torch._foreach_mul_(emas, decay)
+            torch._foreach_add_(emas, news, alpha=1.0 - decay)
+        for factor, ema in casts:
+            factor.copy_(ema)
+        for state in states:
+            state["factor_updates"] += 1
+            first = state["factor_updates"] == 1
+            if first or step - state["inverted_at"] >= (group["T_inv"] or 1):
+                state["inverted_at"] = step
+                root = math.sqrt(scheduled(group["damping"], step))
+                for key in ("A", "G"):
+                    state[f"{key}_inv"].copy_(damped_inverse(state[key], root, group["inverse"]))
+
+    def apply(self, layer, group, states, G: Tensor, step: int, seed: int, found_inf=None):
         """G_inv ∇W A_inv, then momentum SGD with weight decay."""
         state = states[0]
         natural = state["G_inv"].to(G.dtype) @ G @ state["A_inv"].to(G.dtype)
-        sgd_update_(layer.params, split_matrix(layer, natural), states, group, seed)
+        sgd_update_(layer.params, split_matrix(layer, natural), states, group, seed, found_inf)
+
+    def fuses_apply(self, group: dict) -> bool:
+        return True
+
+    def apply_many(self, layers, group, states, inv_scale, step: int, seed: int, found_inf=None):
+        """G_inv ∇W A_inv of every layer, then one momentum SGD write of them all."""
+        params, directions, param_states = [], [], []
+        for layer, layer_states in zip(layers, states, strict=True):
+            G = gradient_matrix(layer, accumulation_dtype(layer.weight.dtype))
+            if inv_scale is not None:
+                G = G * inv_scale.to(G.dtype)  # G may be a view of the gradient
+            state = layer_states[0]
+            natural = state["G_inv"].to(G.dtype) @ G @ state["A_inv"].to(G.dtype)
+            params += layer.params
+            directions += split_matrix(layer, natural)
+            param_states += layer_states
+        sgd_update_(params, directions, param_states, group, seed, found_inf)
 
     def natural_rows(self, layer, group, state, G: Tensor, rows: slice, step: int) -> Tensor:
         """Rows ``rows`` of G_inv ∇W A_inv (G holds every row)."""
@@ -151,7 +193,10 @@ class KFAC(KroneckerOptimizer):
             ``scaler.unscale_(opt)`` runs before ``scaler.step(opt)`` (default None).
         nonfinite: ``"warn"`` (default) or ``"raise"`` (``FloatingPointError``) when a
             gradient or statistic is non-finite without a GradScaler; the step is skipped
-            with every state unchanged either way.
+            with every state unchanged either way (one device read per step decides it).
+            ``"device"``: the skip is decided on the device without a read (every write
+            consumes it; no tensor changes, the host counters count the step) and warned
+            about at a later step (docs/concepts/curvature.md).
         process_group: the torch.distributed group to synchronise over (default None: WORLD
             when torch.distributed is initialised).
         distribute_factors: each rank updates and holds the factors of the layers it owns

@@ -17,10 +17,13 @@ from ..structures.base import accumulation_dtype
 from .recipe import rescale_weight_
 
 
-def precondition_layers(opt: Optimizer, layers: list[Layer], grad_scale: Tensor | None) -> None:
+def precondition_layers(
+    opt: Optimizer, layers: list[Layer], grad_scale: Tensor | None, found_inf: Tensor | None
+) -> None:
     """Update the parameters of ``layers`` (gradients still scaled by ``grad_scale``, or
     unscaled when None); rules that fuse update their group's layers in one pass.
-    ``opt``: a KroneckerOptimizer."""
+    ``found_inf``: None, or the step's skip flag decided on the device (every write
+    consumes it). ``opt``: a KroneckerOptimizer."""
     fused: dict[int, list[Layer]] = {}
     for layer in layers:
         group = opt.group_of(layer)
@@ -35,7 +38,8 @@ def precondition_layers(opt: Optimizer, layers: list[Layer], grad_scale: Tensor 
         if grad_scale is not None:
             G = G / grad_scale.to(G.device, G.dtype)
         states = [opt.state[p] for p in layer.params]
-        rule.apply(layer, group, states, G, group["step"], opt._seed(group, layer.weight))
+        seed = opt._seed(group, layer.weight)
+        rule.apply(layer, group, states, G, group["step"], seed, found_inf=found_inf)
         if group["weight_rescale"]:
             rescale_weight_(layer.weight)
     inv_scale = None
@@ -45,7 +49,9 @@ def precondition_layers(opt: Optimizer, layers: list[Layer], grad_scale: Tensor 
             inv_scale = grad_scale.to(members[0].weight.device, torch.float32).reciprocal()
         states = [[opt.state[p] for p in layer.params] for layer in members]
         seed = opt._seed(group, members[0].weight)
-        opt.rule_for(group).apply_many(members, group, states, inv_scale, group["step"], seed)
+        opt.rule_for(group).apply_many(
+            members, group, states, inv_scale, group["step"], seed, found_inf=found_inf
+        )
         if group["weight_rescale"]:
             for layer in members:
                 rescale_weight_(layer.weight)

@@ -77,12 +77,21 @@ class LayerRule(ABC):
             self.update_factors(layer, group, state, pending, step)
 
     def apply(
-        self, layer: Layer, group: dict, states: list[dict], G: Tensor, step: int, seed: int
+        self,
+        layer: Layer,
+        group: dict,
+        states: list[dict],
+        G: Tensor,
+        step: int,
+        seed: int,
+        found_inf: Tensor | None = None,
     ) -> None:
         """Precondition G (d_C x d_K, unscaled) and update the layer's parameters.
 
         ``states`` are the states of ``layer.params`` in order; ``seed`` seeds the
-        stochastic rounding of the parameter write (:func:`singd_cuda.ops.sgd_epilogue_`).
+        stochastic rounding of the parameter write (:func:`singd_cuda.ops.sgd_epilogue_`);
+        ``found_inf``: None, or a one-element tensor that, when > 0, makes the write
+        change nothing (decided on the device, :func:`~.write.sgd_update_` takes it).
         """
         raise NotImplementedError
 
@@ -113,9 +122,11 @@ class LayerRule(ABC):
         inv_scale: Tensor | None,
         step: int,
         seed: int,
+        found_inf: Tensor | None = None,
     ) -> None:
         """Precondition and update every layer of ``layers`` (gradients still scaled by
-        1/``inv_scale``) in one pass; ``seed`` seeds stochastic rounding."""
+        1/``inv_scale``) in one pass; ``seed`` seeds stochastic rounding; ``found_inf``
+        as in :meth:`apply`."""
         raise NotImplementedError
 
     def start_factors(self, layer: Layer, group: dict, state: dict, pending: dict) -> bool:

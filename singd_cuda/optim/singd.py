@@ -146,12 +146,12 @@ class SingdRule(LayerRule):
     def fuses_apply(self, group: dict) -> bool:
         return True
 
-    def apply_many(self, layers, group, states, inv_scale, step: int, seed: int):
+    def apply_many(self, layers, group, states, inv_scale, step: int, seed: int, found_inf=None):
         """Ĝ = (C Cᵀ) G (K Kᵀ) for every layer, then momentum SGD with weight decay on
         every parameter in one :func:`~singd_cuda.optim.write.sgd_update_` call; layers of
         equal :meth:`group_key` are preconditioned as one stack (:mod:`.grouped`)."""
         if self._diagonal(group):
-            self._apply_diagonal(layers, group, states, inv_scale, seed)
+            self._apply_diagonal(layers, group, states, inv_scale, seed, found_inf)
             return
         params, directions, param_states = [], [], []
         for part in partition(
@@ -164,9 +164,9 @@ class SingdRule(LayerRule):
                 params += layer.params
                 directions += split_matrix(layer, natural)
                 param_states += layer_states
-        sgd_update_(params, directions, param_states, group, seed)
+        sgd_update_(params, directions, param_states, group, seed, found_inf)
 
-    def _apply_diagonal(self, layers, group, states, inv_scale, seed: int) -> None:
+    def _apply_diagonal(self, layers, group, states, inv_scale, seed: int, found_inf) -> None:
         """:func:`singd_cuda.ops.diag_precond_step_` (mode "singd") over every layer:
         Ĝ = c² ⊙ G ⊙ k² and momentum SGD, in one pass over W, G and the buffers."""
         momentum = group["momentum"]
@@ -195,6 +195,7 @@ class SingdRule(LayerRule):
             inv_scale=inv_scale,
             stochastic_rounding=group["stochastic_rounding"],
             seed=seed,
+            found_inf=found_inf,
         )
         batch.write_back()
 
@@ -606,7 +607,10 @@ class SINGD(KroneckerOptimizer):
             ``scaler.unscale_(opt)`` runs before ``scaler.step(opt)`` (default None).
         nonfinite: ``"warn"`` (default) or ``"raise"`` (``FloatingPointError``) when a
             gradient or statistic is non-finite without a GradScaler; the step is skipped
-            with every state unchanged either way.
+            with every state unchanged either way (one device read per step decides it).
+            ``"device"``: the skip is decided on the device without a read (every write
+            consumes it; no tensor changes, the host counters count the step) and warned
+            about at a later step (docs/concepts/curvature.md).
         process_group: the torch.distributed group to synchronise over (default None: WORLD
             when torch.distributed is initialised).
         distribute_factors: each rank updates and holds the factors of the layers it owns

@@ -22,6 +22,7 @@ def sgd_update_(
     states: list[dict],
     group: dict,
     seed: int,
+    found_inf: Tensor | None = None,
 ) -> None:
     """Momentum SGD with coupled weight decay on the parameters that have a gradient (the
     others, e.g. a bias frozen after construction, are left alone), in one
@@ -36,6 +37,8 @@ def sgd_update_(
         states: the parameters' states; the momentum buffer ``state["momentum_buffer"]``
             (the parameter's dtype) is created as zeros when missing and momentum != 0.
         seed: the stochastic-rounding seed of the call.
+        found_inf: None, or a one-element float32 tensor on the parameters' device: when
+            > 0 the call changes nothing (read by the op on the device).
     """
     trained = [
         (p, upcast(d, p.dtype), s)
@@ -60,4 +63,5 @@ def sgd_update_(
         weight_decay=group["weight_decay"],
         stochastic_rounding=group["stochastic_rounding"],
         seed=seed,
+        found_inf=found_inf,
     )

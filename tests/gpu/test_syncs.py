@@ -2,7 +2,9 @@
 after the factor updates (tests/optim/test_device_reads.py counts the same reads on the
 CPU). ``torch.cuda.set_sync_debug_mode("warn")`` makes every synchronising call warn; the
 test counts those warnings over a few steps (with ``"error"`` the one allowed read would
-raise). K-FAC runs between inversions (an inversion's LAPACK info check synchronises)."""
+raise). K-FAC runs between inversions (an inversion's LAPACK info check synchronises).
+With ``nonfinite='device'`` a steady-state step synchronises never: under
+``set_sync_debug_mode("error")`` any synchronising call raises."""
 
 from __future__ import annotations
 
@@ -58,3 +60,26 @@ def test_at_most_one_sync_per_steady_state_step(cuda_ops, name, scaled):
             torch.cuda.set_sync_debug_mode("default")
     syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
     assert len(syncs) <= ITERATIONS, syncs
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "grad_scaler"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_no_sync_when_skips_are_decided_on_the_device(cuda_ops, name, scaled):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 10)).cuda()
+    opt = OPTIMIZERS[name](model)
+    opt.nonfinite = "device"
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**8) if scaled else None
+    x = torch.randn(32, 64, device="cuda")
+    y = torch.randint(0, 10, (32,), device="cuda")
+    for _ in range(3):  # first statistics, warm start, state creation
+        _iterate(model, opt, x, y, scaler)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(ITERATIONS):
+            _iterate(model, opt, x, y, scaler)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.isfinite(next(model.parameters())).all()

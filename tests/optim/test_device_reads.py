@@ -1,5 +1,6 @@
 """A steady-state step reads the device at most once: the non-finite verdict (flags raised
-on the device by every check, read together after the factor updates). Counted with
+on the device by every check, read together after the factor updates); with
+``nonfinite='device'`` it reads nothing (every write consumes the flags on the device). Counted with
 benchmarks/host_cost.py's ``counting_reads``: calls of ``Tensor.item``, ``__bool__``,
 ``__float__``, ``__int__``, ``tolist`` on floating-point or boolean tensors from inside
 singd_cuda. With a GradScaler the count is the same (the scaler's found_inf joins the
@@ -60,4 +61,22 @@ def test_at_most_one_read_per_steady_state_step(counting_reads, name, scaled):
             _iterate(model, opt, x, y, scaler)
     assert sum(reads.values()) <= ITERATIONS, dict(reads)
     assert all("finite.py" in site for site in reads), dict(reads)
+    assert torch.isfinite(next(model.parameters())).all()
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "grad_scaler"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_no_read_when_skips_are_decided_on_the_device(counting_reads, name, scaled):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 40), nn.Tanh(), nn.Linear(40, 6))
+    opt = OPTIMIZERS[name](model)
+    opt.nonfinite = "device"
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if scaled else None
+    x, y = torch.randn(16, 12), torch.randint(0, 6, (16,))
+    for _ in range(3):  # first statistics (read: they create states), warm start
+        _iterate(model, opt, x, y, scaler)
+    with counting_reads() as reads:
+        for _ in range(ITERATIONS):
+            _iterate(model, opt, x, y, scaler)
+    assert not reads, dict(reads)
     assert torch.isfinite(next(model.parameters())).all()

@@ -79,7 +79,7 @@ BAD_HYPERPARAMETERS = [
     (dict(factor_dtype="bf16"), "factor_dtype must be None or one of .*bfloat16"),
     (dict(fallback_lr=-1.0), "fallback_lr must be >= 0"),
     (dict(fallback_betas=(1.5, 0.9)), "fallback_betas must be a pair of numbers in \\[0, 1\\)"),
-    (dict(nonfinite="ignore"), "nonfinite must be 'warn' or 'raise'"),
+    (dict(nonfinite="ignore"), "nonfinite must be 'warn', 'raise' or 'device'"),
 ]
 
 
