@@ -77,13 +77,19 @@ def optimizers() -> list[tuple[str, Callable]]:
             return torch.optim.AdamW(params, lr=1e-4, fused=True, capturable=capturable)
         return torch.optim.AdamW(params, lr=1e-4, foreach=True)
 
+    device = {"nonfinite": "device"}  # skips decided on the device: no read per step
     return [
         ("torch AdamW", adamw),
         ("SINGD diagonal T=10", lambda m: SINGD(m, lr=1e-4, structures="diagonal", **lm)),
+        (
+            "SINGD diagonal T=10, nonfinite='device'",
+            lambda m: SINGD(m, lr=1e-4, structures="diagonal", **lm, **device),
+        ),
         ("SINGD diagonal T=1", lambda m: SINGD(m, lr=1e-4, structures="diagonal", T=1, **lm)),
+        ("AdaFisher (T=1)", lambda m: AdaFisher(m, lr=1e-4, **lm)),
+        ("AdaFisher (T=1), nonfinite='device'", lambda m: AdaFisher(m, lr=1e-4, **lm, **device)),
         ("SINGD block_diagonal:32 T=10", lambda m: SINGD(m, lr=1e-4, **lm)),
         ("SINGD block_diagonal:32 T=1", lambda m: SINGD(m, lr=1e-4, T=1, **lm)),
-        ("AdaFisher (T=1)", lambda m: AdaFisher(m, lr=1e-4, **lm)),
         ("K-FAC T=1 (between inversions)", lambda m: KFAC(m, lr=1e-4, T=1, T_inv=10**9, **lm)),
     ]
 
