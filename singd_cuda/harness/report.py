@@ -87,7 +87,8 @@ class Cell:
 
 
 def cells(results: list[RunResult]) -> dict[tuple[str, str, str, str], Cell]:
-    """Cell key -> Cell in grid order, linked to their fp32 cell, their AdamW reference
+    """Cell key -> Cell in grid order, linked to their fp32 cell (without the fp32 model in
+    the grid: their cell at the grid's first precision, fp32 factors), their AdamW reference
     and the task's target loss (AdamW's fp32 cell's, else its first cell's: a grid of
     bf16 autocast alone still has a target)."""
     grouped: dict[tuple, list[RunResult]] = defaultdict(list)
@@ -95,11 +96,16 @@ def cells(results: list[RunResult]) -> dict[tuple[str, str, str, str], Cell]:
         grouped[r.spec.cell].append(r)
     table = {key: Cell(key, runs) for key, runs in grouped.items()}
     first_adamw: dict[str, Cell] = {}
+    first_precision: dict[str, str] = {}  # the reference precision of a grid without fp32
     for key, cell in table.items():
+        first_precision.setdefault(key[0], key[2])
         if key[1] == REFERENCE:
             first_adamw.setdefault(key[0], cell)
     for (task, label, precision, factor), cell in table.items():
-        cell.fp32 = table.get((task, label, "fp32", "fp32" if factor != NO_FACTORS else factor))
+        full = "fp32" if factor != NO_FACTORS else factor
+        cell.fp32 = table.get((task, label, "fp32", full)) or table.get(
+            (task, label, first_precision[task], full)
+        )
         base = table.get((task, REFERENCE, "fp32", NO_FACTORS), first_adamw.get(task))
         cell.reference = table.get((task, REFERENCE, precision, NO_FACTORS), base)
         if base is not None and base.loss is not None:

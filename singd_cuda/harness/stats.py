@@ -1,7 +1,9 @@
 """Seed statistics and the verdict rule of the harness.
 
 A low-precision cell is compared with the same optimizer's fp32 cell (fp32 model, fp32
-factors) on the final held-out loss, over the seeds that stayed finite:
+factors) on the final held-out loss, over the seeds that stayed finite; in a grid without
+the fp32 model, with its cell at the grid's first model precision and fp32 factors (e.g.
+bf16 autocast for a language model):
 
 * ``failed``: at least one seed went non-finite, raised, or diverged;
 * ``degraded``: mean(low) − mean(fp32) > ``REL_THRESHOLD`` · mean(fp32) **and**
@@ -34,7 +36,8 @@ RULE = (
     f"errors of the difference, SE = sqrt(s_low^2/n_low + s_fp32^2/n_fp32) (s: sample "
     f"standard deviation over seeds). 'better': the same in the other direction. "
     f"Otherwise 'same within noise'. With one seed the SE is unknown and only the "
-    f"relative threshold applies."
+    f"relative threshold applies. In a grid without the fp32 model, 'fp32' reads: the "
+    f"grid's first model precision with fp32 factors."
 )
 
 

@@ -105,3 +105,21 @@ def test_target_without_fp32_adamw_is_adamws_first_precision():
     table = cells(runs)
     singd = table[("t", "singd:diagonal", "bf16-amp", "fp32")]
     assert singd.target == 1.0 and singd.reach()[0] == 20
+
+
+def test_verdict_without_fp32_model_is_against_the_first_precision():
+    """A language-model grid of bf16 autocast and pure fp16 (no fp32 model): each
+    optimizer's cells are judged against its bf16-autocast cell with fp32 factors."""
+    runs = []
+    for seed, shift in enumerate((0.0, 0.01, -0.01)):
+        runs.append(fake("adamw", "bf16-amp", "-", seed, [2.0, 1.5, 1.2, 1.0 + shift]))
+        runs.append(fake("adamw", "fp16-pure", "-", seed, [2.0, None]))
+        runs.append(fake("singd:diagonal", "bf16-amp", "fp32", seed, [2.0, 1.1, 0.9, 0.8 + shift]))
+        runs.append(fake("singd:diagonal", "bf16-amp", "fp16", seed, [2.0, 1.1, 0.9, 1.2 + shift]))
+        runs.append(fake("singd:diagonal", "fp16-pure", "fp32", seed, [2.0, 1.1, 0.9, 0.8 - shift]))
+    table = cells(runs)
+    assert table[("t", "adamw", "bf16-amp", "-")].verdict == "reference"
+    assert table[("t", "adamw", "fp16-pure", "-")].verdict == "failed"
+    assert table[("t", "singd:diagonal", "bf16-amp", "fp32")].verdict == "reference"
+    assert table[("t", "singd:diagonal", "bf16-amp", "fp16")].verdict == "degraded"
+    assert table[("t", "singd:diagonal", "fp16-pure", "fp32")].verdict == "same within noise"
