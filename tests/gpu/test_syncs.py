@@ -38,44 +38,20 @@ def _iterate(model, opt, x, y, scaler) -> None:
     backward_and_step(loss, opt, scaler)
 
 
-@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "grad_scaler"])
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_at_most_one_sync_per_steady_state_step(cuda_ops, name, scaled):
+def _steady_steps(name: str, scaled: bool, nonfinite: str, sync_debug_mode: str) -> None:
+    """Three warm-up iterations (first statistics and state creation, warm start), then
+    ITERATIONS under ``torch.cuda.set_sync_debug_mode(sync_debug_mode)``."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 10)).cuda()
     opt = OPTIMIZERS[name](model)
+    opt.nonfinite = nonfinite
     scaler = torch.amp.GradScaler("cuda", init_scale=2.0**8) if scaled else None
     x = torch.randn(32, 64, device="cuda")
     y = torch.randint(0, 10, (32,), device="cuda")
-    for _ in range(3):  # first statistics, warm start, state creation
+    for _ in range(3):
         _iterate(model, opt, x, y, scaler)
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            for _ in range(ITERATIONS):
-                _iterate(model, opt, x, y, scaler)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
-    assert len(syncs) <= ITERATIONS, syncs
-
-
-@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "grad_scaler"])
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_no_sync_when_skips_are_decided_on_the_device(cuda_ops, name, scaled):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 10)).cuda()
-    opt = OPTIMIZERS[name](model)
-    opt.nonfinite = "device"
-    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**8) if scaled else None
-    x = torch.randn(32, 64, device="cuda")
-    y = torch.randint(0, 10, (32,), device="cuda")
-    for _ in range(3):  # first statistics, warm start, state creation
-        _iterate(model, opt, x, y, scaler)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
+    torch.cuda.set_sync_debug_mode(sync_debug_mode)
     try:
         for _ in range(ITERATIONS):
             _iterate(model, opt, x, y, scaler)
@@ -83,3 +59,19 @@ def test_no_sync_when_skips_are_decided_on_the_device(cuda_ops, name, scaled):
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert torch.isfinite(next(model.parameters())).all()
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "grad_scaler"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_at_most_one_sync_per_steady_state_step(cuda_ops, name, scaled):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _steady_steps(name, scaled, "warn", "warn")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) <= ITERATIONS, syncs
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "grad_scaler"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_no_sync_when_skips_are_decided_on_the_device(cuda_ops, name, scaled):
+    _steady_steps(name, scaled, "device", "error")  # any synchronising call raises
