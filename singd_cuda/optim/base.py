@@ -9,7 +9,9 @@ other parameter with the built-in AdamW fallback.
 Step schedule (as in the published SINGD code): steps count from 0; on a step
 t with t % T == 0 the statistics of the forwards/backwards before it update
 the factors, then the gradient is preconditioned with the new factors. A step
-skipped for a non-finite gradient changes no state, not even the counter.
+skipped for a non-finite gradient changes no state, not even the counter (with
+``nonfinite='device'`` a steady-state skip is decided on the device: no tensor changes,
+the counters count it).
 
 Under torch.distributed a :class:`~singd_cuda.optim.scale_out.ScaleOut` (plugged in by
 :mod:`singd_cuda.distributed`) averages gradients (plain models) and statistics once per

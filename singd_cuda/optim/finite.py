@@ -3,7 +3,10 @@
 A step skipped for a non-finite gradient, statistic or factor changes no state. The
 checks raise flags on the device and the step reads them once, after the factor updates
 (which run before any parameter is written); :class:`FactorUndo` keeps what those
-overwrite so that they can be undone when a flag is raised.
+overwrite so that they can be undone when a flag is raised. With ``nonfinite='device'``
+the step reads nothing: the flags' maximum is the found_inf every write consumes,
+:meth:`FactorUndo.restore_where` restores the factors by a predicated select, and
+:class:`LateVerdict` brings the flags to the host for a warning without waiting.
 """
 
 from __future__ import annotations
