@@ -16,6 +16,8 @@ import warnings
 import pytest
 import torch
 
+from singd_cuda import KFAC
+
 from .conftest import (
     MODELS,
     assert_bitwise_equal,
@@ -27,8 +29,14 @@ from .conftest import (
     snapshot,
 )
 
-NAMES = ["singd-dense", "singd-block_diagonal", "singd-tril_toeplitz", "ikfac", "adafisher"]
+NAMES = ["singd-dense", "singd-block_diagonal", "singd-tril_toeplitz", "ikfac", "adafisher", "kfac"]
 COUNTERS = ("/step", "/factor_updates", "/inverted_at")  # host counters: a skip counts
+
+
+def _optimizer(name, model, **extra):
+    if name == "kfac":
+        return KFAC(model, lr=0.01, T=1, T_inv=2, **extra)
+    return make_optimizer(name, model, **extra)
 
 
 def _train(model, opt, batches, scaler=None, bad=None):
@@ -66,8 +74,8 @@ def test_without_a_skip_equals_warn_mode(name, kind):
     model = MODELS[kind]()
     reference = copy.deepcopy(model)
     batches = random_batches(kind, 5)
-    opt = make_optimizer(name, model, nonfinite="device")
-    ref_opt = make_optimizer(name, reference)
+    opt = _optimizer(name, model, nonfinite="device")
+    ref_opt = _optimizer(name, reference)
     _train(model, opt, batches)
     _train(reference, ref_opt, batches)
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
@@ -79,7 +87,7 @@ def test_without_a_skip_equals_warn_mode(name, kind):
 @pytest.mark.parametrize("name", NAMES)
 def test_skip_changes_no_tensor_and_warns_late(name, scaled):
     model = MODELS["mlp"]()
-    opt = make_optimizer(name, model, nonfinite="device")
+    opt = _optimizer(name, model, nonfinite="device")
     scaler = None
     if scaled:
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=10**6)
@@ -108,7 +116,7 @@ def test_a_step_creating_state_skips_exactly(name):
     """The first statistics create the layer states: that step reads its verdict and
     drops them, as nonfinite='warn' does (its warning is immediate)."""
     model = MODELS["mlp"]()
-    opt = make_optimizer(name, model, nonfinite="device")
+    opt = _optimizer(name, model, nonfinite="device")
     before = snapshot(model, opt)
     with pytest.warns(RuntimeWarning, match="non-finite gradient"):
         _train(model, opt, random_batches("mlp", 1), bad=0)
