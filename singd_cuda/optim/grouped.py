@@ -86,10 +86,15 @@ class StackedProduct:
 
     @classmethod
     def stack(cls, products: Sequence[object]) -> StackedProduct:
-        first = products[0]
-        kind = next(k for k in cls.KINDS if isinstance(first, k))
-        parts = {name: torch.stack([p.parts[name] for p in products]) for name in first.parts}
-        return cls(kind, parts, first.k1 if kind is SymmetricArrow else 0)
+        parts = {name: torch.stack([p.parts[name] for p in products]) for name in products[0].parts}
+        return cls.like(products[0], parts)
+
+    @classmethod
+    def like(cls, product: object, parts: dict[str, Tensor]) -> StackedProduct:
+        """The stacked form, over ``parts`` (a leading layer dimension), of products of
+        ``product``'s kind and shape."""
+        kind = next(k for k in cls.KINDS if isinstance(product, k))
+        return cls(kind, parts, product.k1 if kind is SymmetricArrow else 0)
 
     def _parts(self, dtype: torch.dtype) -> tuple[torch.dtype, dict[str, Tensor]]:
         dtype = torch.promote_types(next(iter(self.parts.values())).dtype, dtype)

@@ -322,21 +322,29 @@ class SingdRule(LayerRule):
         )
 
     def _derive_outer(self, layer, group, f, step: int) -> tuple:
-        """(C Cᵀ, K Kᵀ), or None for a side whose structure has no cheap form of it or
-        where forming it costs more than the T steps it would save: with w nonzeros per
-        row, forming is d·w² and each step saves one d·w·d_other product, so a side is
-        formed when 2w <= T·d_other, or when forming is negligible (d·w² below
-        ``NEGLIGIBLE_FLOPS``: then the host time of the per-layer products decides, and
-        formed products are preconditioned as one stack)."""
+        """(C Cᵀ, K Kᵀ), or None for a side :meth:`_formed_sides` leaves unformed."""
+        formed = self._formed_sides(layer, group, f, step)
+        return tuple(
+            f[side].times_transpose() if form else None
+            for side, form in zip(("C", "K"), formed, strict=True)
+        )
+
+    @staticmethod
+    def _formed_sides(layer, group, f, step: int) -> tuple[bool, bool]:
+        """Whether C Cᵀ and K Kᵀ are formed: not for a side whose structure has no cheap
+        form of it, nor where forming it costs more than the T steps it would save: with
+        w nonzeros per row, forming is d·w² and each step saves one d·w·d_other product,
+        so a side is formed when 2w <= T·d_other, or when forming is negligible (d·w²
+        below ``NEGLIGIBLE_FLOPS``: then the host time of the per-layer products decides,
+        and formed products are preconditioned as one stack)."""
         period = scheduled(group["T"], step)
-        pair = []
+        formed = []
         for side, other_dim in (("C", layer.dim_in), ("K", layer.dim_out)):
             factor = f[side]
             width = type(factor).row_width(factor.dim)
             worth = 2 * width <= period * other_dim or factor.dim * width**2 <= NEGLIGIBLE_FLOPS
-            cheap = type(factor).has_times_transpose(factor.dim)
-            pair.append(factor.times_transpose() if worth and cheap else None)
-        return tuple(pair)
+            formed.append(worth and type(factor).has_times_transpose(factor.dim))
+        return formed[0], formed[1]
 
     def _outer_products(self, layer, group, state, f, step: int):
         """:meth:`_derive_outer`, cached until the next factor update."""
@@ -353,13 +361,24 @@ class SingdRule(LayerRule):
         has no stackable form (those layers are preconditioned one by one)."""
 
         def derive():
-            pairs = [
-                self._derive_outer(layer, group, self._factors(layer, group, s[0]), step)
-                for layer, s in zip(layers, states, strict=True)
-            ]
-            if not all(StackedProduct.stackable(p) for pair in pairs for p in pair):
+            if len(layers) == 1 or self.group_key(layers[0], group, states[0][0]) is None:
+                pairs = [
+                    self._derive_outer(layer, group, self._factors(layer, group, s[0]), step)
+                    for layer, s in zip(layers, states, strict=True)
+                ]
+                if not all(StackedProduct.stackable(p) for pair in pairs for p in pair):
+                    return (None, None)
+                return tuple(StackedProduct.stack(side) for side in zip(*pairs, strict=True))
+            # a stack (vmap-safe structures, equal shapes): the first layer decides, and
+            # each side's products are formed in one vmapped call
+            f = self._factors(layers[0], group, states[0][0])
+            if not all(self._formed_sides(layers[0], group, f, step)):
                 return (None, None)
-            return tuple(StackedProduct.stack(side) for side in zip(*pairs, strict=True))
+            products = tuple(
+                _stacked_times_transpose(type(f[side]), f[side].dim, [s[0][side] for s in states])
+                for side in ("C", "K")
+            )
+            return (None, None) if None in products else products
 
         sources = tuple(t for s in states for side in ("C", "K") for t in s[0][side].values())
         return self._stacked.get(layers, sources, derive)
@@ -411,6 +430,22 @@ _STACKED = ("dense", "block_diagonal", "hierarchical", "diagonal")  # vmap-safe 
 def _stack(parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
     """Per-layer parts stacked along a new leading dimension (one copy per part name)."""
     return {name: torch.stack([p[name] for p in parts]) for name in parts[0]}
+
+
+def _stacked_times_transpose(S, d: int, parts: list[dict[str, Tensor]]) -> StackedProduct | None:
+    """F Fᵀ of the factors F (structure ``S``, dimension ``d``) with these parts, every
+    layer's in one vmapped product; None when the product has no stacked form."""
+    formed: list = []
+
+    def product(layer_parts: dict[str, Tensor]) -> dict[str, Tensor]:
+        P = S.from_parts(d, layer_parts).times_transpose()
+        formed.append(P)  # its type and k1, read below (the values are batched)
+        return P.parts
+
+    stacked = torch.func.vmap(product)(_stack(parts))
+    if not StackedProduct.stackable(formed[0]):
+        return None
+    return StackedProduct.like(formed[0], stacked)
 
 
 def _stacked_factor_update(S_K, S_C, d_K: int, d_C: int, factors, H_K, H_C, **hyper):
