@@ -141,6 +141,8 @@ _CHUNK_ELEMENTS = 1 << 16
 def _dense_matmul_(mats: Tensor, X: Tensor, transposed: bool = False) -> Tensor:
     """X_l <- P_l X_l for P (L, d, d), X (L, d, m), a few columns at a time; with
     ``transposed``, X_l <- X_l P_lᵀ for X (L, m, d), a few rows at a time. Returns X."""
+    if X.numel() <= _CHUNK_ELEMENTS:  # small layers: one batched product for all
+        return X.copy_(torch.matmul(X, mats.mT) if transposed else torch.matmul(mats, X))
     d = X.shape[2] if transposed else X.shape[1]
     m = X.shape[1] if transposed else X.shape[2]
     step = max(1, min(m, _CHUNK_ELEMENTS // max(d, 1)))
@@ -162,14 +164,18 @@ def _block_diagonal_matmul_(blocks: Tensor, last: Tensor, X: Tensor) -> Tensor:
     (L, d, m), through one temporary of at most a few blocks' rows; returns X."""
     L, n, b, _ = blocks.shape
     m = X.shape[2]
-    step = max(1, min(n, _CHUNK_ELEMENTS // max(b * m, 1)))
-    rows = X.new_empty(step, b, m)
-    for layer in range(L):
-        for i in range(0, n, step):
-            k = min(step, n - i)
-            chunk = X[layer, i * b : (i + k) * b].view(k, b, m)
-            torch.bmm(blocks[layer, i : i + k], chunk, out=rows[:k])
-            chunk.copy_(rows[:k])
+    if L * n * b * m <= _CHUNK_ELEMENTS:  # small layers: one batched product for all
+        head = X[:, : n * b].unflatten(1, (n, b))  # (L, n, b, m)
+        head.copy_(torch.matmul(blocks, head))
+    else:
+        step = max(1, min(n, _CHUNK_ELEMENTS // max(b * m, 1)))
+        rows = X.new_empty(step, b, m)
+        for layer in range(L):
+            for i in range(0, n, step):
+                k = min(step, n - i)
+                chunk = X[layer, i * b : (i + k) * b].view(k, b, m)
+                torch.bmm(blocks[layer, i : i + k], chunk, out=rows[:k])
+                chunk.copy_(rows[:k])
     if last.shape[1]:
         tail = X[:, n * b :]
         tail.copy_(torch.bmm(last, tail))
@@ -186,6 +192,13 @@ def _block_diagonal_gradients_times_transpose(
     L, n, b, _ = blocks.shape
     first = layers[0]
     head_width = n * b
+    if L * first.dim_out * first.dim_in <= _CHUNK_ELEMENTS:  # small layers: a stacked copy
+        G = stacked_gradients(layers, dtype)  # of G and one batched product for all
+        head = G[:, :, :head_width].unflatten(2, (n, b)).transpose(1, 2)  # (L, n, d_C, b)
+        G[:, :, :head_width] = torch.matmul(head, blocks.mT).transpose(1, 2).flatten(2)
+        if last.shape[1]:
+            G[:, :, head_width:] = torch.bmm(G[:, :, head_width:], last.mT)
+        return G
     out = torch.empty(L, first.dim_out, first.dim_in, dtype=dtype, device=blocks.device)
     for index, layer in enumerate(layers):
         target = out[index, :, :head_width].unflatten(1, (n, b)).transpose(0, 1)  # (n, d_C, b)

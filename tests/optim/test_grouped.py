@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import singd_cuda.ops as ops
+import singd_cuda.optim.grouped as grouped
 import singd_cuda.optim.singd as singd_module
 from singd_cuda import SINGD
 from singd_cuda.optim.grouped import StackedProduct
@@ -106,8 +107,17 @@ def stacked_calls(monkeypatch) -> dict[str, int]:
     return calls
 
 
+@pytest.fixture(params=["one product", "chunked"])
+def product_path(request, monkeypatch):
+    """Small stacks take one batched product; larger ones go through temporaries of a
+    few rows (here forced with a tiny chunk)."""
+    if request.param == "chunked":
+        monkeypatch.setattr(grouped, "_CHUNK_ELEMENTS", 8)
+    return request.param
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_stacked_equals_per_layer_in_float64(case, stacked_calls):
+def test_stacked_equals_per_layer_in_float64(case, stacked_calls, product_path):
     data = batches(2 * T + 2)
     models = [Stack(), Stack()]
     opts = [make(models[0], **CASES[case]), per_layer(make(models[1], **CASES[case]))]
@@ -134,7 +144,7 @@ def test_stacked_equals_per_layer_in_float64(case, stacked_calls):
 @pytest.mark.parametrize(
     "case", ["dense", "block_diagonal", "block_diagonal-bias-in-a-full-block", "hierarchical"]
 )
-def test_stacked_with_frozen_parameters_equals_per_layer(case, stacked_calls):
+def test_stacked_with_frozen_parameters_equals_per_layer(case, stacked_calls, product_path):
     """A frozen bias, and a frozen weight beside a trained bias, inside stacked groups."""
     data = batches(2 * T + 2)
     models = [Stack(), Stack()]
