@@ -16,7 +16,6 @@ from torch import Tensor
 
 from ..curvature.layers import Layer
 from ..structures.base import accumulation_dtype
-from .finite import tensors_of
 
 
 class StatisticsNormaliser:
@@ -57,12 +56,13 @@ class StatisticsNormaliser:
         scalar would allocate one per call; the loss scale stays on the device, unread)."""
         fused: dict[tuple, list[Tensor]] = {}
         for statistic in statistics:
-            parts = list(tensors_of(statistic))
-            key = (statistic.device, accumulation_dtype(statistic.dtype))
-            if all(part.dtype == key[1] for part in parts):
-                fused.setdefault(key, []).extend(parts)
+            structured = getattr(statistic, "parts", None)  # a StructuredMatrix's parts
+            parts = [statistic] if structured is None else list(structured.values())
+            dtype = accumulation_dtype(parts[0].dtype)
+            if all(part.dtype == dtype for part in parts):
+                fused.setdefault((parts[0].device, dtype), []).extend(parts)
             else:  # low-precision parts: their own rounding on store
-                statistic.mul_(self._scalar(key, factor, loss_scale))
+                statistic.mul_(self._scalar((parts[0].device, dtype), factor, loss_scale))
         for key, tensors in fused.items():
             torch._foreach_mul_(tensors, self._scalar(key, factor, loss_scale))
 
