@@ -29,7 +29,9 @@ from ..curvature.layers import Layer, gradient_matrix, split_matrix
 from ..structures.base import accumulation_dtype
 from . import hyperparameters as hp
 from .base import KroneckerOptimizer, checked_fallback
+from .derived import GroupCache
 from .factor_memory import warn_large_factors
+from .grouped import partition, stacked_gradients
 from .rule import LayerRule, scheduled
 from .scale_out import DEFAULT_BUCKET_CAP_MB
 from .write import sgd_update_
@@ -50,8 +52,21 @@ def damped_inverse(factor: Tensor, damping: float, method: str) -> Tensor:
     return (Q / (eigenvalues + damping)) @ Q.T
 
 
+# values of the stacked inverses a group of small layers keeps between inversions
+SMALL_STACK = 2**16
+
+
+def _stack_key(layer: Layer, state: dict) -> tuple:
+    """Layers with equal keys can be preconditioned as one stack."""
+    inverse = state["A_inv"]
+    return (layer.dim_in, layer.dim_out, layer.weight.dtype, inverse.dtype, inverse.device)
+
+
 class KfacRule(LayerRule):
     """K-FAC's factor EMA, damped inversion and preconditioning for one layer."""
+
+    def __init__(self) -> None:
+        self._stacked = GroupCache()  # stacked inverses of small layers, between inversions
 
     def init_state(self, layer: Layer, group: dict, state: dict) -> None:
         dtype = group["factor_dtype"] or layer.weight.dtype
@@ -103,11 +118,12 @@ class KfacRule(LayerRule):
             torch._foreach_add_(emas, news, alpha=1.0 - decay)
         for factor, ema in casts:
             factor.copy_(ema)
-        for state in states:
+        for layer, state in zip(layers, states, strict=True):
             state["factor_updates"] += 1
             first = state["factor_updates"] == 1
             if first or step - state["inverted_at"] >= (group["T_inv"] or 1):
                 state["inverted_at"] = step
+                self._stacked.forget(layer)
                 root = math.sqrt(scheduled(group["damping"], step))
                 for key in ("A", "G"):
                     state[f"{key}_inv"].copy_(damped_inverse(state[key], root, group["inverse"]))
@@ -122,18 +138,45 @@ class KfacRule(LayerRule):
         return True
 
     def apply_many(self, layers, group, states, inv_scale, step: int, seed: int, found_inf=None):
-        """G_inv ∇W A_inv of every layer, then one momentum SGD write of them all."""
+        """G_inv ∇W A_inv of every layer, then one momentum SGD write of them all; small
+        layers of equal shapes are preconditioned as one stack (:meth:`_naturals`)."""
         params, directions, param_states = [], [], []
+        for part in partition(range(len(layers)), lambda i: _stack_key(layers[i], states[i][0])):
+            members = [layers[i] for i in part]
+            member_states = [states[i] for i in part]
+            naturals = self._naturals(members, member_states, inv_scale)
+            for layer, layer_states, natural in zip(members, member_states, naturals, strict=True):
+                params += layer.params
+                directions += split_matrix(layer, natural)
+                param_states += layer_states
+        sgd_update_(params, directions, param_states, group, seed, found_inf)
+
+    def _naturals(self, layers, states, inv_scale) -> list[Tensor]:
+        """G_inv ∇W A_inv (unscaled) of layers of equal shapes: as batched products over
+        their stacked gradients and inverses when the stacked inverses are small (at most
+        ``SMALL_STACK`` values; kept until the next inversion of any of them), else one
+        layer at a time."""
+        first = layers[0]
+        dtype = accumulation_dtype(first.weight.dtype)
+        if len(layers) > 1 and len(layers) * (first.dim_in**2 + first.dim_out**2) <= SMALL_STACK:
+            sources = tuple(s[0][key] for s in states for key in ("G_inv", "A_inv"))
+            G_inv, A_inv = self._stacked.get(
+                layers,
+                sources,
+                lambda: tuple(
+                    torch.stack([s[0][key] for s in states]).to(dtype) for key in ("G_inv", "A_inv")
+                ),
+            )
+            G = stacked_gradients(layers, dtype, inv_scale=inv_scale)
+            return list(torch.bmm(torch.bmm(G_inv, G), A_inv).unbind(0))
+        naturals = []
         for layer, layer_states in zip(layers, states, strict=True):
-            G = gradient_matrix(layer, accumulation_dtype(layer.weight.dtype))
+            G = gradient_matrix(layer, dtype)
             if inv_scale is not None:
                 G = G * inv_scale.to(G.dtype)  # G may be a view of the gradient
             state = layer_states[0]
-            natural = state["G_inv"].to(G.dtype) @ G @ state["A_inv"].to(G.dtype)
-            params += layer.params
-            directions += split_matrix(layer, natural)
-            param_states += layer_states
-        sgd_update_(params, directions, param_states, group, seed, found_inf)
+            naturals.append(state["G_inv"].to(G.dtype) @ G @ state["A_inv"].to(G.dtype))
+        return naturals
 
     def natural_rows(self, layer, group, state, G: Tensor, rows: slice, step: int) -> Tensor:
         """Rows ``rows`` of G_inv ∇W A_inv (G holds every row)."""
