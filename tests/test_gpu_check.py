@@ -162,7 +162,7 @@ def test_the_iteration_table_has_a_row_per_optimizer(tmp_path):
     assert list(data) == labels
     assert data["torch AdamW"]["vs_adamw"] == 1.0
     assert all(row["iteration_ms"] > 0 and row["step_cpu_ms"] > 0 for row in data.values())
-    assert len(targets) == 3  # SINGD diagonal at T=10 and T=1, AdaFisher
+    assert len(targets) == 5  # SINGD diagonal at T=10 (both modes) and T=1, AdaFisher (both)
     table = "\n".join(lines)
     assert all(f"| {label} |" in table for label in labels)
     lines, _, data = iteration.iteration_report(dry_run=True, deadline=0.0)
