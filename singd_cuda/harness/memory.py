@@ -15,7 +15,7 @@ output, +1 with a bias; d_C = outputs) and whose other parameters train with Ada
 * K-FAC per layer: 2·(d_K² + d_C²) (A, A⁻¹, G, G⁻¹) in the factor dtype + momentum;
 * AdaFisher per layer: d_K + d_C (the diagonals h, s) in the factor dtype + exp_avg;
 * AdamW (and every fallback parameter): exp_avg + exp_avg_sq in the parameter dtype
-  and a 4-byte float32 step.
+  (the fallback's in float32 for float16 parameters) and a 4-byte float32 step.
 
 Peak step memory (forward, backward and optimizer step of the first step): on CUDA
 ``torch.cuda.max_memory_allocated``; on the CPU an estimate, the sum of parameters,
@@ -103,14 +103,18 @@ def formula_bytes(
         return None
     factor = torch.empty((), dtype=factor_dtype).element_size()
 
-    def adamw(p: Tensor) -> int:
-        return ADAMW_STEP_BYTES + 2 * p.numel() * p.element_size()
+    def adamw(p: Tensor, moments: torch.dtype) -> int:
+        return ADAMW_STEP_BYTES + 2 * p.numel() * torch.empty((), dtype=moments).element_size()
 
     if choice.name == "adamw":
-        return sum(adamw(p) for p in model.parameters())
+        return sum(adamw(p, p.dtype) for p in model.parameters())
     layers = [m for m in model.modules() if isinstance(m, nn.Linear | nn.Conv2d)]
     in_layers = {id(p) for m in layers for p in m.parameters(recurse=False)}
-    total = sum(adamw(p) for p in model.parameters() if id(p) not in in_layers)
+    total = sum(  # the fallback keeps float16 parameters' moments in float32
+        adamw(p, torch.float32 if p.dtype == torch.float16 else p.dtype)
+        for p in model.parameters()
+        if id(p) not in in_layers
+    )
     for module in layers:
         d_K, d_C = layer_dims(module)
         if choice.name == "kfac":

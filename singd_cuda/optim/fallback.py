@@ -33,7 +33,9 @@ def adam_directions(
     one foreach call per operation for all parameters.
 
     State per parameter: ``step`` (float32 scalar tensor on the CPU), ``exp_avg``,
-    ``exp_avg_sq`` in the parameter's dtype, created on the first call. ``grads`` are
+    ``exp_avg_sq`` in the parameter's dtype (float32 for float16 parameters: (1 − β₂)·g²
+    underflows float16's range, and v̂ = 0 makes the step m̂/ε explode), created on the
+    first call. ``grads`` are
     unscaled, shaped like ``params``; the math and the returned directions are float32
     (float64 for float64 parameters). ``found_inf`` (one-element tensor, > 0: skip): the
     moments keep their values, selected on the device; the host ``step`` counts anyway.
@@ -41,8 +43,9 @@ def adam_directions(
     for param, state in zip(params, states, strict=True):
         if "step" not in state:
             state["step"] = torch.zeros((), dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(param)
-            state["exp_avg_sq"] = torch.zeros_like(param)
+            dtype = torch.float32 if param.dtype == torch.float16 else param.dtype
+            state["exp_avg"] = torch.zeros_like(param, dtype=dtype)
+            state["exp_avg_sq"] = torch.zeros_like(param, dtype=dtype)
         state["step"] += 1
     steps = [float(state["step"]) for state in states]
     beta1, beta2 = betas

@@ -126,3 +126,27 @@ def test_attention_out_projection_trains_with_the_fallback():
             o.step()
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p, q, **TOL)
+
+
+def test_float16_parameters_keep_their_moments_in_float32():
+    """(1 − β₂)·g² of a small float16 gradient underflows float16 (g = 1e-4: 1e-11), and
+    with v̂ = 0 AdamW's step m̂/ε is 10⁴ times too large: the fallback keeps float16
+    parameters' moments in float32, so their first step moves each entry by about lr,
+    as in float32 (bfloat16 has float32's range and keeps the parameter's dtype)."""
+    from singd_cuda.optim.fallback import adamw_update_
+
+    lr = 1e-3
+    steps = {}
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        param = torch.ones(64, dtype=dtype)
+        state: dict = {}
+        grad = torch.full((64,), 1e-4)
+        adamw_update_(
+            [param], [grad], [state], lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
+        )
+        steps[dtype] = (1.0 - param.float()).abs().max().item()
+        moments = torch.float32 if dtype == torch.float16 else dtype
+        assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == moments
+    assert steps[torch.float32] == pytest.approx(lr, rel=1e-3)
+    for dtype in (torch.float16, torch.bfloat16):  # lr within the parameter's rounding
+        assert steps[dtype] == pytest.approx(lr, abs=torch.finfo(dtype).eps)
