@@ -35,10 +35,10 @@ def adam_directions(
     State per parameter: ``step`` (float32 scalar tensor on the CPU), ``exp_avg``,
     ``exp_avg_sq`` in the parameter's dtype (float32 for float16 parameters: (1 − β₂)·g²
     underflows float16's range, and v̂ = 0 makes the step m̂/ε explode), created on the
-    first call. ``grads`` are
-    unscaled, shaped like ``params``; the math and the returned directions are float32
-    (float64 for float64 parameters). ``found_inf`` (one-element tensor, > 0: skip): the
-    moments keep their values, selected on the device; the host ``step`` counts anyway.
+    first call. ``grads`` are unscaled, shaped like ``params``; the math and the returned
+    directions are float32 (float64 for float64 parameters). ``found_inf`` (one-element
+    tensor, > 0: skip): the moments keep their values, selected on the device; the host
+    ``step`` counts anyway.
     """
     for param, state in zip(params, states, strict=True):
         if "step" not in state:
