@@ -36,7 +36,8 @@ class _Queued(NamedTuple):
     """How one parameter is queued, kept between steps while its sources are the same
     objects: the parameter, its buffer and the layer's scale vectors (the sources), their
     matrices and slices, and where the gradient's matrix lies within a gradient strided
-    like the parameter (``grad_view``: shape, stride, offset from the tensor's start)."""
+    like the parameter (``grad_view``: shape, stride, offset from the tensor's start;
+    None when the matrices are copies, which are made anew every step)."""
 
     param: Tensor
     buf_source: Tensor | None
@@ -46,7 +47,7 @@ class _Queued(NamedTuple):
     buf: Tensor | None
     rows: Tensor
     cols: Tensor
-    grad_view: tuple[tuple[int, ...], tuple[int, ...], int]
+    grad_view: tuple[tuple[int, ...], tuple[int, ...], int] | None
 
 
 class DiagonalViews:
@@ -138,19 +139,17 @@ class DiagonalBatch:
             entry = None if self._views is None else self._views.get(param, buf, row, col)
             if entry is None:
                 entry = self._queue(layer, param, buf, row, col, start - width, width)
-                if entry is None:
-                    continue  # queued as copies, with the gradient
-                if self._views is not None:
+                if self._views is not None and entry.grad_view is not None:
                     self._views.keep(entry)
             self.params.append(entry.matrix)
             if entry.buf is not None:
                 self.bufs.append(entry.buf)
             self.rows.append(entry.rows)
             self.cols.append(entry.cols)
-            shape, stride, offset = entry.grad_view
-            if grad.stride() == param.stride() and grad.shape == param.shape:
+            if entry.grad_view is not None and grad.stride() == param.stride():
+                shape, stride, offset = entry.grad_view  # (a gradient has its shape)
                 self.grads.append(grad.as_strided(shape, stride, grad.storage_offset() + offset))
-            else:  # a gradient laid out unlike its parameter
+            else:  # copies, or a gradient laid out unlike its parameter
                 self.grads.append(self._matrix(grad, *self._layout(layer, param), False)[0])
 
     @staticmethod
@@ -164,27 +163,22 @@ class DiagonalBatch:
 
     def _queue(
         self, layer: Layer, param: Tensor, buf, row: Tensor, col: Tensor, start: int, width: int
-    ) -> _Queued | None:
-        """The entry of a parameter whose matrices are views; None when a copy had to be
-        queued (then the parameter, its gradient and buffer are queued here)."""
+    ) -> _Queued:
+        """The entry of a parameter: its matrices are views when the layout allows (then
+        it can be kept between steps), else copies written back after the op."""
         as_matrix, from_matrix, transposed = self._layout(layer, param)
         cols = col[start : start + width]
         rows, cols = (cols, row) if transposed else (row, cols)
         matrix, viewed = self._matrix(param, as_matrix, from_matrix, transposed, True)
-        buf_matrix, buf_viewed = (None, True)
+        buf_matrix = None
         if buf is not None:
             buf_matrix, buf_viewed = self._matrix(buf, as_matrix, from_matrix, transposed, True)
-        if viewed and buf_viewed:
+            viewed = viewed and buf_viewed
+        grad_view = None
+        if viewed:
             offset = matrix.storage_offset() - param.storage_offset()
             grad_view = (tuple(matrix.shape), matrix.stride(), offset)
-            return _Queued(param, buf, row, col, matrix, buf_matrix, rows, cols, grad_view)
-        self.params.append(matrix)
-        if buf_matrix is not None:
-            self.bufs.append(buf_matrix)
-        self.rows.append(rows)
-        self.cols.append(cols)
-        self.grads.append(self._matrix(param.grad, as_matrix, from_matrix, transposed, False)[0])
-        return None
+        return _Queued(param, buf, row, col, matrix, buf_matrix, rows, cols, grad_view)
 
     def lists(self) -> tuple[list[Tensor], ...]:
         return self.params, self.grads, self.bufs, self.rows, self.cols

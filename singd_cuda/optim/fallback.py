@@ -54,10 +54,10 @@ def adam_directions(
     torch._foreach_add_(exp_avg, g, alpha=1.0 - beta1)
     exp_avg_sq = torch._foreach_mul([upcast(state["exp_avg_sq"]) for state in states], beta2)
     torch._foreach_addcmul_(exp_avg_sq, g, g, value=1.0 - beta2)
+    raised = None if found_inf is None else found_inf.reshape(()) > 0
     for key, new in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
         moments = [state[key] for state in states]
-        if found_inf is not None:  # the old moments where the step is skipped
-            raised = found_inf.reshape(()) > 0
+        if raised is not None:  # the old moments where the step is skipped
             new = [torch.where(raised, m, n) for m, n in zip(moments, new, strict=True)]
         torch._foreach_copy_(moments, new)
     denom = torch._foreach_div(exp_avg_sq, [1.0 - beta2**step for step in steps])

@@ -62,6 +62,11 @@ def _stack_key(layer: Layer, state: dict) -> tuple:
     return (layer.dim_in, layer.dim_out, layer.weight.dtype, inverse.dtype, inverse.device)
 
 
+def _natural(state: dict, G: Tensor) -> Tensor:
+    """G_inv G A_inv of one layer, in G's dtype."""
+    return state["G_inv"].to(G.dtype) @ G @ state["A_inv"].to(G.dtype)
+
+
 class KfacRule(LayerRule):
     """K-FAC's factor EMA, damped inversion and preconditioning for one layer."""
 
@@ -130,8 +135,7 @@ class KfacRule(LayerRule):
 
     def apply(self, layer, group, states, G: Tensor, step: int, seed: int, found_inf=None):
         """G_inv ∇W A_inv, then momentum SGD with weight decay."""
-        state = states[0]
-        natural = state["G_inv"].to(G.dtype) @ G @ state["A_inv"].to(G.dtype)
+        natural = _natural(states[0], G)
         sgd_update_(layer.params, split_matrix(layer, natural), states, group, seed, found_inf)
 
     def fuses_apply(self, group: dict) -> bool:
@@ -174,8 +178,7 @@ class KfacRule(LayerRule):
             G = gradient_matrix(layer, dtype)
             if inv_scale is not None:
                 G = G * inv_scale.to(G.dtype)  # G may be a view of the gradient
-            state = layer_states[0]
-            naturals.append(state["G_inv"].to(G.dtype) @ G @ state["A_inv"].to(G.dtype))
+            naturals.append(_natural(layer_states[0], G))
         return naturals
 
     def natural_rows(self, layer, group, state, G: Tensor, rows: slice, step: int) -> Tensor:
