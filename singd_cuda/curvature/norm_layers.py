@@ -49,6 +49,10 @@ def _normalised(module: nn.Module, x: Tensor) -> Tensor:
         return F.layer_norm(x, module.normalized_shape, None, None, module.eps)
     if isinstance(module, nn.GroupNorm):
         return F.group_norm(x, module.num_groups, None, None, module.eps)
+    if not module.training and module.running_mean is not None:
+        # BatchNorm in eval(): the running statistics its forward used, not the batch's
+        mean, var = module.running_mean.to(x.dtype), module.running_var.to(x.dtype)
+        return F.batch_norm(x, mean, var, eps=module.eps)
     dims = [0, *range(2, x.dim())]  # BatchNorm in training: statistics of this batch
     mean = x.mean(dims, keepdim=True)
     var = x.var(dims, unbiased=False, keepdim=True)

@@ -61,6 +61,8 @@ def terms_of(model: nn.Module, kind: str, loss_average: str):
 
 NORM_CASES = [
     ("batch", "image", "batch"),
+    ("batch-eval", "image", "batch"),  # the running statistics normalise
+    ("batch-eval-untracked", "image", "batch"),  # no running statistics: the batch's
     ("group", "image", "batch"),
     ("layer", "sequence", "batch"),
     ("layer", "sequence", "batch+sequence"),
@@ -68,7 +70,16 @@ NORM_CASES = [
 
 
 def build(norm: str):
-    return sequence_model() if norm == "layer" else conv_model(norm)
+    if norm == "layer":
+        return sequence_model()
+    if norm.startswith("batch-eval"):  # a BatchNorm in eval() mode
+        model = conv_model("batch")
+        if norm.endswith("untracked"):
+            model[1] = nn.BatchNorm2d(4, track_running_stats=False).to(F64)
+        with torch.no_grad():  # running statistics away from the batch's
+            model(3.0 * image_batch(seed=5)[0] + 1.0)
+        return model.eval()
+    return conv_model(norm)
 
 
 # ------------------------------------------------------------------ norm Fisher
