@@ -485,12 +485,14 @@ class KroneckerOptimizer(Optimizer):
         for a late warning (:meth:`_report_late`). None where the step reads its verdict
         instead: the other modes, and the steps it cannot predicate on the device:
         distributed training, a step that creates states (a layer's first statistics:
-        dropping them is a host decision), flags on several devices, ``norm_fisher`` or
-        ``weight_rescale`` (writes outside the predicated ops)."""
+        dropping them is a host decision) or sets a host flag (a warm start), flags on
+        several devices, ``norm_fisher`` or ``weight_rescale`` (writes outside the
+        predicated ops)."""
         if (
             self.nonfinite != "device"
             or self._sync is not None
             or self._created
+            or self._undo.sets_flags()
             or self._finite.device() is None
             or any(g["norm_fisher"] or g["weight_rescale"] for g in self.param_groups)
         ):

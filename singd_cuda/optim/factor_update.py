@@ -28,8 +28,11 @@ def update_factors(opt: Optimizer, layers: list[Layer]) -> None:
         rule = opt.rule_for(group)
         if distribute_factors:
             rule.finish_shared(layer, group, state, pending)
-        if not rule.start_factors(layer, group, state, pending):
-            continue  # the statistics cannot start this layer's factors yet
+        started = rule.start_factors(layer, group, state, pending)
+        if started is None:  # out of the factor dtype: skipped as an overflow is
+            opt._finite.flag(layer.weight.device, FACTORS).fill_(1.0)
+        if not started:
+            continue  # the statistics cannot start this layer's factors (yet)
         key = rule.group_key(layer, group, state)
         key = (opt._layer_group[layer], id(layer) if key is None else key)
         stacks.setdefault(key, []).append((layer, state, pending))

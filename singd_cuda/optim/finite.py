@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from ..structures.base import StructuredMatrix
+from . import warm_start
 
 
 class FiniteCheck:
@@ -155,13 +156,17 @@ class FactorUndo:
     steps, so those update steps allocate nothing; matrices are cloned for the step only,
     a transient copy as large as the factors being updated (their update allocates
     temporaries of that size anyway). ``skip`` names state entries no factor update
-    writes (the parameter momenta).
+    writes (the parameter momenta); ``flags`` the host flags an update may set for good
+    (SINGD's warm start), which no predicated select on the device can undo.
     """
 
     def __init__(
-        self, skip: tuple[str, ...] = ("momentum_buffer", "exp_avg", "exp_avg_sq")
+        self,
+        skip: tuple[str, ...] = ("momentum_buffer", "exp_avg", "exp_avg_sq"),
+        flags: tuple[str, ...] = (warm_start.KEY,),
     ) -> None:
         self._skip = skip
+        self._flags = flags
         self._vectors: dict[int, Tensor] = {}
         self._saved: list[tuple[dict, dict]] = []
 
@@ -208,6 +213,16 @@ class FactorUndo:
             for key in copy:
                 _collect(state[key], found)
         return found
+
+    def sets_flags(self) -> bool:
+        """Whether an update since :meth:`save` changed one of the ``flags`` (then only
+        :meth:`restore`, decided on the host, can undo the step)."""
+        missing = object()
+        return any(
+            state.get(key, missing) != copy.get(key, missing)
+            for state, copy in self._saved
+            for key in self._flags
+        )
 
     def restore(self) -> None:
         for state, copy in self._saved:
@@ -266,7 +281,8 @@ def skip_message(optimizer: str, reason: int) -> str:
             "or float32 statistics (nonfinite='raise' to raise)"
         )
     return (
-        f"{optimizer}: a factor update produced non-finite values, step skipped and every "
-        "factor restored (use float32 factor_dtype or a larger damping; "
+        f"{optimizer}: a factor update produced non-finite values (or a warm start a "
+        "scale outside the factor dtype), step skipped and every factor restored (use "
+        "float32 factor_dtype or a larger damping; "
         "nonfinite='raise' to raise)"
     )

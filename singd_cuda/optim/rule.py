@@ -129,10 +129,12 @@ class LayerRule(ABC):
         as in :meth:`apply`."""
         raise NotImplementedError
 
-    def start_factors(self, layer: Layer, group: dict, state: dict, pending: dict) -> bool:
+    def start_factors(self, layer: Layer, group: dict, state: dict, pending: dict) -> bool | None:
         """Before each :meth:`update_factors`: a rule whose factors start from the first
         statistics (SINGD's warm start) sets them here; False skips this update (the
-        statistics cannot start the factors yet). The default starts nothing."""
+        statistics cannot start the factors yet), None skips the whole step as a
+        non-finite factor update does (the factors cannot hold the start the statistics
+        ask for), both with nothing changed. The default starts nothing."""
         return True
 
     def factor_structures(self, group: dict) -> tuple[str, str]:

@@ -94,7 +94,7 @@ class SingdRule(LayerRule):
         state["m_C"] = S_C.zeros(layer.dim_out, dtype=dtype, device=device).parts
         warm_start.init_state(group, state)
 
-    def start_factors(self, layer, group, state, pending) -> bool:
+    def start_factors(self, layer, group, state, pending) -> bool | None:
         """The warm start (:mod:`.warm_start`) at the layer's first statistics step."""
         if state.get(warm_start.KEY, True):
             return True
@@ -103,8 +103,9 @@ class SingdRule(LayerRule):
             return True
         factors = self._factors(layer, group, state)
         damping = scheduled(group["damping"], group["step"])
-        if not warm_start.start_(factors, pending, damping, group["kfac_like"]):
-            return False
+        started = warm_start.start_(factors, pending, damping, group["kfac_like"])
+        if not started:
+            return started  # False: waits for other statistics; None: out of range
         self._forget(layer)
         state[warm_start.KEY] = True
         return True

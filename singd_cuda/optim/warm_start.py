@@ -24,8 +24,11 @@ k² = 1/(ū + λ), c² = 1/(ḡ + λ).
 
 The statistics must be those of K = C = I, which is what the factors are until the
 warm start; a layer whose first statistics are zero on a side (a layer after a
-zero-initialised one, a LoRA A) or would put k or c outside the factor dtype keeps
-K = C = I and skips its factor update until a statistics step that can start it.
+zero-initialised one, a LoRA A) keeps K = C = I and skips its factor update until a
+statistics step that can start it. Statistics that would put k or c outside the factor
+dtype (float16 factors of a layer with large inputs) skip the whole step, with a
+warning and no state changed, as a factor update that overflows does: K = C = I would
+leave the layer unpreconditioned.
 """
 
 from __future__ import annotations
@@ -75,11 +78,13 @@ def start_(
     pending: dict,
     damping: float,
     kfac_like: bool,
-) -> bool:
+) -> bool | None:
     """Warm-start the layer: K ← k·I, C ← c·I in place (they are I, their momenta 0), and
     the pending statistics H_K = Π̂(aᵀa), H_C = Π̂(gᵀg) (taken with K = C = I) rescaled to
     those of the new factors, k²·H_K and c²·H_C, with k and c as stored (rounded to the
-    factor dtype). False, with nothing changed, when the statistics cannot start it.
+    factor dtype). True: started. With nothing changed: False when the statistics cannot
+    set a scale (the layer waits), None when the scale is outside the factor dtype (the
+    step is to be skipped).
 
     ``factors``: "K", "C" as structured matrices over the layer state's tensors.
     """
@@ -87,8 +92,10 @@ def start_(
     u = float(pending["in"].average_trace())
     g = float(pending["out"].average_trace())
     found = scales(u, g, damping, kfac_like)
-    if found is None or not all(_fits(s, F.dtype) for s, F in zip(found, (K, C), strict=True)):
+    if found is None:
         return False
+    if not all(_fits(s, F.dtype) for s, F in zip(found, (K, C), strict=True)):
+        return None
     for factor, square, side in ((K, found[0], "in"), (C, found[1], "out")):
         factor.mul_(math.sqrt(square))
         stored = float(factor.average_trace())  # k as rounded to the factor dtype

@@ -191,3 +191,123 @@ def test_bfloat16_factors_hold_the_rounded_scale(structure):
         for key in ("K", "C"):
             for part in state[key].values():
                 assert part.dtype == torch.bfloat16 and torch.isfinite(part).all()
+
+
+def _run(model, opt, batches, bad=None):
+    """Train on ``batches``; at index ``bad`` an inf goes into the first gradient."""
+    for index, (x, y) in enumerate(batches):
+        F.cross_entropy(model(x), y).backward()
+        if index == bad:
+            model[0].weight.grad[0, 0] = math.inf
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("nonfinite", ["warn", "device"])
+@pytest.mark.parametrize("structure", ["dense", "diagonal"])
+def test_a_skip_on_the_warm_start_step_leaves_the_layer_to_start_later(structure, nonfinite):
+    """The middle layer waits at step 0 (its output gradient is zero) and would warm-start
+    at step 1, which is skipped: the step changes nothing, the flag included, so the run
+    is the run without that batch (nonfinite='device' decides such a step on the host)."""
+    model = _mlp()
+    with torch.no_grad():
+        model[4].weight.zero_()
+    twin = copy.deepcopy(model)
+    settings = dict(lr=0.1, T=1, structures=structure)
+    opt = SINGD(model, nonfinite=nonfinite, **settings)
+    reference = SINGD(twin, **settings)
+    batches = [_batch(seed) for seed in range(4)]
+    _run(model, opt, batches[:1])
+    with pytest.warns(RuntimeWarning, match="non-finite gradient"):  # at the step itself
+        _run(model, opt, batches[1:2], bad=0)
+    state = opt.state[model[2].weight]
+    assert state["warm_started"] is False
+    for key in ("K", "C"):
+        for part in state[key].values():
+            torch.testing.assert_close(
+                part,
+                torch.ones_like(part) if part.dim() == 1 else torch.eye(8, dtype=part.dtype),
+                rtol=0,
+                atol=0,
+            )
+    _run(model, opt, batches[2:])
+    assert state["warm_started"] is True
+    _run(twin, reference, batches[:1] + batches[2:])
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def _relu_mlp() -> nn.Module:
+    """:func:`_mlp` in float32 with no saturating activation: large inputs keep their
+    gradients."""
+    model = _mlp().float()
+    model[1], model[3] = nn.ReLU(), nn.Identity()
+    return model
+
+
+def _snapshot(model, opt):
+    return [p.detach().clone() for p in model.parameters()], copy.deepcopy(opt.state_dict())
+
+
+def _assert_unchanged(model, opt, before) -> None:
+    params, saved = before
+    for p, q in zip(model.parameters(), params, strict=True):
+        torch.testing.assert_close(p.detach(), q, rtol=0, atol=0)
+    now = opt.state_dict()
+    assert now["state"].keys() == saved["state"].keys()
+    for index, state in saved["state"].items():
+        assert now["state"][index].keys() == state.keys()
+        for key, value in state.items():
+            if key != "step":  # SINGD's layer states keep no step; the fallback's counts
+                torch.testing.assert_close(now["state"][index][key], value, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("structure", ["dense", "diagonal", "block_diagonal:4"])
+def test_a_first_warm_start_outside_float16_skips_the_step(structure):
+    """Inputs of 1e6 ask for k² below 1e-5, below float16's normal range: the step is skipped
+    with a warning and no state created (as for a factor update that overflows), not
+    trained with K = C = I."""
+    model = _relu_mlp()
+    opt = SINGD(model, lr=0.1, T=1, structures=structure, factor_dtype=torch.float16)
+    before = _snapshot(model, opt)
+    x, y = _batch(0)
+    F.cross_entropy(model(1e6 * x.float()), y).backward()
+    with pytest.warns(RuntimeWarning, match="warm start a scale outside the factor dtype"):
+        opt.step()
+    _assert_unchanged(model, opt, before)
+    assert not opt.state
+
+
+@pytest.mark.parametrize("nonfinite", ["warn", "device"])
+@pytest.mark.parametrize("structure", ["dense", "diagonal"])
+def test_a_later_warm_start_outside_float16_skips_the_step(structure, nonfinite):
+    """Inputs of 1e3 into a first layer scaled by 1e-3 (the other layers see the usual
+    scales): it waits at step 0 (the zero middle layer stops its output gradient), and at
+    step 1 its warm start asks for k² ~ 1e-6. The step changes no tensor and warns
+    (nonfinite='device': decided on the device, warned at the next step, with the one
+    message a non-finite factor update gives); the layer still waits, and no other
+    layer's update overflows (a run of float32 factors skips nothing)."""
+    model = _relu_mlp()
+    with torch.no_grad():
+        model[0].weight.mul_(1e-3)
+        model[2].weight.zero_()
+    twin = copy.deepcopy(model)
+    settings = dict(lr=0.1, T=1, structures=structure, nonfinite=nonfinite)
+    opt = SINGD(model, factor_dtype=torch.float16, **settings)
+    batches = [(1e3 * x.float(), y) for x, y in map(_batch, range(3))]
+    _run(model, opt, batches[:1])
+    assert opt.state[model[0].weight]["warm_started"] is False
+    before = _snapshot(model, opt)
+    message = "warm start a scale outside the factor dtype"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _run(model, opt, batches[1:2])
+    assert any(message in str(w.message) for w in caught) == (nonfinite == "warn")
+    _assert_unchanged(model, opt, before)
+    assert opt.state[model[0].weight]["warm_started"] is False
+    if nonfinite == "device":
+        with pytest.warns(RuntimeWarning, match=message + ".*an earlier step"):
+            _run(model, opt, batches[2:])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _run(twin, SINGD(twin, factor_dtype=torch.float32, **settings), batches)
