@@ -1,6 +1,6 @@
 """What an optimizer step does under torch.distributed.
 
-Per step, at most two collectives (more only when a bucket cap splits them):
+Per step, at most three collectives (more only when a bucket cap splits them):
 
 1. one bucketed all-reduce (sum) of a packed buffer holding, in this order,
    a few flags (found_inf; which ranks hold each layer's statistics and each
@@ -9,12 +9,18 @@ Per step, at most two collectives (more only when a bucket cap splits them):
    every layer, each rank's normalised (micro-batch and loss-scale free) means over
    its shard. Sums are divided by the number of ranks that contributed, so equal
    shards give exactly the full-batch statistics. No step that needs no statistics
-   and no gradients (DDP, between update steps) communicates at all.
-2. with ``distribute_factors=True``, one bucketed all-gather of the updated
+   and no gradients (DDP, between update steps) sends this one.
+2. one all-reduce of the step's non-finite flags (four numbers: the GradScaler's
+   found_inf, gradients, statistics, factor updates), after the factor updates and
+   before anything is written (:meth:`Synchronizer.agree`): a skip is decided by every
+   rank or by none. A rank's flags can differ from the others': DDP has averaged the
+   gradients before a rank-local hook or edit, only the owner updates a layer's factors
+   (``distribute_factors``), an FSDP2 rank checks its shards only.
+3. with ``distribute_factors=True``, one bucketed all-gather of the updated
    parameters of each rank's own layers (see :meth:`Synchronizer.share_parameters`).
 
-Every rank runs the same code on the same reduced values, so decisions (skip a step,
-which statistics exist) agree everywhere without further messages.
+Every rank runs the same code on the same reduced values, so the other decisions
+(which statistics exist) agree everywhere without further messages.
 """
 
 from __future__ import annotations
@@ -77,6 +83,8 @@ class Synchronizer:
                 if local:  # elementwise on shards: every rank keeps the (vector) factors
                     self.owner[layer] = None
         self._layers = list(layers)
+        # where the flags are agreed: a device the group's backend reaches (the model's)
+        self._device = next((p.device for p in model.parameters()), torch.device("cpu"))
 
     def _check_sharded_ownership(self) -> None:
         if self.distribute_factors and self.shards.world != self.world_size:
@@ -107,9 +115,14 @@ class Synchronizer:
 
     def agree(self, check) -> None:
         """Every rank's non-finite flags in ``check`` (a ``FiniteCheck``) raised on every
-        rank: sharded tensors differ between ranks (one all-reduce under FSDP2)."""
+        rank (collective 2, one all-reduce; every rank calls it at every step, also one
+        that raised nothing)."""
         if self.shards is not None:
             self.shards.agree(check)
+            return
+        flags = check.merged(self._device)
+        comm.all_reduce_sum_(flags, self.group)
+        check.raise_(flags)
 
     def remove(self) -> None:
         """Remove the hook the synchroniser put on the model."""

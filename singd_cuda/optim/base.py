@@ -518,7 +518,7 @@ class KroneckerOptimizer(Optimizer):
     def _verdict(self) -> int | None:
         """The reason to skip this step (the one device-to-host read of a step), or None."""
         if self._sync is not None:
-            self._sync.agree(self._finite)  # sharded tensors differ between ranks
+            self._sync.agree(self._finite)  # a rank's flags can differ from the others'
         return self._finite.verdict()
 
     def _layers_to_step(self) -> tuple[list[Layer], list[Layer]]:

@@ -1,8 +1,9 @@
 """The collectives one optimizer step issues, counted by wrapping torch.distributed.
 
 Expected layout (singd_cuda.distributed.synchronizer): per step at most one bucketed
-all-reduce of [flags | gradients (plain models) | statistics (update steps)] and, with
-distribute_factors, one bucketed all-gather of the owners' updated parameters.
+all-reduce of [flags | gradients (plain models) | statistics (update steps)], one
+all-reduce of the four non-finite flags (every step: a skip is agreed by every rank) and,
+with distribute_factors, one bucketed all-gather of the owners' updated parameters.
 Statistics travel compactly: n(n+1)/2 numbers per symmetric n x n block.
 """
 
@@ -78,6 +79,7 @@ def expected_step(config: dict, world_size: int, step: int) -> list[tuple[str, i
             for _, d_k, d_c in sc.LAYER_DIMS:
                 segments += factor_segments(optimizer, d_k) + factor_segments(optimizer, d_c)
         calls += [("all_reduce", FP32 * sum(b)) for b in greedy_buckets(segments, cap // FP32)]
+    calls.append(("all_reduce", FP32 * 4))  # the skip flags, agreed
     if kwargs.get("distribute_factors"):
         aligned = [
             [-(-FP32 * n // 8) * 8 for name in names for n in LAYER_PARAM_NUMELS[name]]
@@ -117,9 +119,9 @@ def test_counts_for_the_readme(world):
     """Collectives per step, as the docs state them (T = 3)."""
     _, results = world
     ddp = results["count-block-replicated-ddp"][0]["per_step"]
-    assert [len(calls) for calls in ddp] == [1, 0, 0, 1, 0, 0, 1, 0, 0, 1]
+    assert [len(calls) for calls in ddp] == [2, 1, 1, 2, 1, 1, 2, 1, 1, 2]
     plain = results["count-block-distributed-plain"][0]["per_step"]
-    assert [len(calls) for calls in plain] == [2] * sc.STEPS
+    assert [len(calls) for calls in plain] == [3] * sc.STEPS
 
 
 @pytest.mark.parametrize("mode", ["replicated", "distributed"])
