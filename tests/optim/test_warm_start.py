@@ -262,13 +262,18 @@ def _assert_unchanged(model, opt, before) -> None:
                 torch.testing.assert_close(now["state"][index][key], value, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("structure", ["dense", "diagonal", "block_diagonal:4"])
-def test_a_first_warm_start_outside_float16_skips_the_step(structure):
+@pytest.mark.parametrize(
+    "structure, kfac_like",
+    [("dense", False), ("diagonal", False), ("block_diagonal:4", False), ("dense", True)],
+)
+def test_a_first_warm_start_outside_float16_skips_the_step(structure, kfac_like):
     """Inputs of 1e6 ask for k² below 1e-5, below float16's normal range: the step is skipped
     with a warning and no state created (as for a factor update that overflows), not
     trained with K = C = I."""
     model = _relu_mlp()
-    opt = SINGD(model, lr=0.1, T=1, structures=structure, factor_dtype=torch.float16)
+    opt = SINGD(
+        model, lr=0.1, T=1, structures=structure, kfac_like=kfac_like, factor_dtype=torch.float16
+    )
     before = _snapshot(model, opt)
     x, y = _batch(0)
     F.cross_entropy(model(1e6 * x.float()), y).backward()
