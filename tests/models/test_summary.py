@@ -198,3 +198,31 @@ def test_registering_a_kind_silences_the_warning():
     finally:
         layers._KINDS.pop(Outer)
         layers._resolved.clear()
+
+
+class SharedWeights(nn.Module):
+    """Two Linear layers sharing a weight but not a bias, a Linear whose weight a Conv1d
+    holds too (as a 1-wide kernel's), and a Linear without outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.second.weight = self.first.weight
+        self.linear, self.conv = nn.Linear(4, 4), nn.Conv1d(4, 4, 1)
+        self.conv.weight = self.linear.weight
+        self.empty = nn.Linear(4, 0)
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")  # torch's own
+def test_summary_says_why_a_supported_module_is_left_to_the_fallback():
+    net = SharedWeights()
+    lines = SINGD(net).summary().splitlines()[2:-1]
+    assert lines[0].split()[:3] == ["first", "Linear", "4"]  # one layer of first and second
+    fallback = [line.split("AdamW fallback: ") for line in lines[1:]]
+    assert [(row.split()[0], reason.split("  ")[0]) for row, reason in fallback] == [
+        ("first", "bias not shared by the weight's modules"),  # the biases differ
+        ("second", "bias not shared by the weight's modules"),
+        ("linear", "weight shared with another kind of module"),
+        ("conv", "weight shared with another kind of module"),  # (its bias)
+        ("empty", "no inputs or outputs"),
+    ]
