@@ -22,9 +22,12 @@ from tests.optim.test_dense_reference import conv_patches
 
 from .test_layer_kinds import OPTIMIZERS as KIND_OPTIMIZERS
 
-OPTIMIZERS = {
-    **KIND_OPTIMIZERS,
-    "ikfac": (SINGD, dict(lr=0.02, lr_cov=0.05, T=1, structures="dense", kfac_like=True)),
+OPTIMIZERS = {  # SINGD at a smaller lr than there: no trajectory here diverges
+    **{
+        name: (cls, {**kwargs, "lr": 0.01} if cls is SINGD else kwargs)
+        for name, (cls, kwargs) in KIND_OPTIMIZERS.items()
+    },
+    "ikfac": (SINGD, dict(lr=0.01, lr_cov=0.05, T=1, structures="dense", kfac_like=True)),
 }
 PADDINGS = ["zeros", "reflect", "replicate", "circular", "same"]
 SHAPES = {1: (3, 9), 3: (2, 4, 5, 3)}  # a sample's (channels, *spatial)
@@ -76,8 +79,8 @@ def conv_model(dims: int, padding: str, bias: bool, groups: int = 1) -> nn.Seque
     torch.manual_seed(0)
     conv = (nn.Conv1d, nn.Conv3d)[dims == 3]
     channels, *size = SHAPES[dims]
-    if padding == "same":
-        first = dict(kernel_size=2, padding="same", dilation=1)
+    if padding == "same":  # asymmetric for Conv1d's even kernel
+        first = dict(kernel_size=(2, 3)[dims == 3], padding="same", dilation=1)
     else:
         first = dict(kernel_size=3, stride=2, padding=1, padding_mode=padding, dilation=1)
         if dims == 1:
@@ -151,7 +154,7 @@ def test_conv_follows_its_unfolded_linear_twin(dims, name, padding, bias):
                 conv[index].bias, twin[index].linear.bias, rtol=1e-10, atol=1e-12
             )
     torch.testing.assert_close(conv[-1].weight, twin[-1].weight, rtol=1e-10, atol=1e-12)
-    assert (conv[0].weight - initial).abs().max() > 1e-3, "the weights did not move"
+    assert 1e-3 < (conv[0].weight - initial).abs().max() < 100, "unmoved, or diverged"
 
 
 @pytest.mark.parametrize("name", ["singd-dense", "singd-diagonal", "adafisher", "kfac"])
