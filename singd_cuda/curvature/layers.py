@@ -1,12 +1,12 @@
 """Layer kinds: how a supported module's input, output gradient and parameter gradient
 become the matrices a (N x d_K), g (N x d_C) and G (d_C x d_K).
 
-Built-in kinds: ``nn.Linear`` (any leading dims, flattened into N), ``nn.Conv2d``
-(groups, stride, dilation, every padding and padding mode; the input is unfolded into
-patches, averaged over channel groups) and Hugging Face ``transformers.pytorch_utils.Conv1D``
-(a Linear whose weight is stored transposed, d_in x d_out; recognised by its class path,
-so ``transformers`` is never imported here). With a bias, a column of ones is appended
-to a and the bias gradient to G.
+Built-in kinds: ``nn.Linear`` (any leading dims, flattened into N), ``nn.Conv1d``,
+``nn.Conv2d`` and ``nn.Conv3d`` (groups, stride, dilation, every padding and padding mode;
+the input is unfolded into patches, averaged over channel groups) and Hugging Face
+``transformers.pytorch_utils.Conv1D`` (a Linear whose weight is stored transposed,
+d_in x d_out; recognised by its class path, so ``transformers`` is never imported here).
+With a bias, a column of ones is appended to a and the bias gradient to G.
 
 Other Linear-like modules plug in through :func:`register_layer_kind`: a
 :class:`LayerKind` says how the module's weight is a (d_C, d_K') matrix and which rows
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-SUPPORTED_LAYERS = (nn.Linear, nn.Conv2d)  # the built-in classes; see is_supported
+SUPPORTED_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)  # built-in; see is_supported
 """The torch.nn classes preconditioned without registration (subclasses included); Hugging
 Face ``Conv1D`` and registered kinds are supported too: :func:`is_supported` says."""
 LOSS_AVERAGES = ("batch", "batch+sequence", None)
@@ -112,62 +112,83 @@ class TransposedLinearKind(LinearKind):
         return matrix.T.reshape(weight.shape)
 
 
-class Conv2dKind(LayerKind):
-    """``nn.Conv2d``: unfolded patches, one row per (sample, output position)."""
+class ConvKind(LayerKind):
+    """``nn.Conv1d``, ``nn.Conv2d`` and ``nn.Conv3d`` (``spatial`` = 1, 2, 3): unfolded
+    patches of the group-averaged input, one row per (sample, output position)."""
 
-    features_last = False  # NCHW: the batch is dimension 0
+    features_last = False  # (N, C, *spatial): the batch is dimension 0
+
+    def __init__(self, spatial: int) -> None:
+        self.spatial = spatial
 
     def inputs(self, module: nn.Module, x: Tensor) -> Tensor:
-        x, padding = _padded(module, _batched(x))
+        x, padding = _padded(module, self._batched(x))
         if module.groups > 1:
             batch, channels = x.shape[:2]
             x = x.reshape(batch, module.groups, channels // module.groups, *x.shape[2:]).mean(1)
-        patches = F.unfold(
-            x, module.kernel_size, dilation=module.dilation, padding=padding, stride=module.stride
-        )
-        return patches.transpose(1, 2).flatten(0, 1)
+        if self.spatial == 2:
+            patches = F.unfold(
+                x,
+                module.kernel_size,
+                dilation=module.dilation,
+                padding=padding,
+                stride=module.stride,
+            )
+            return patches.transpose(1, 2).flatten(0, 1)
+        patches = _windows(F.pad(x, _pad_arg(padding)), module)  # (B, C, *out, *kernel)
+        n = self.spatial  # to (B, *out, C, *kernel): rows (sample, position), (c, offset) columns
+        patches = patches.permute(0, *range(2, 2 + n), 1, *range(2 + n, 2 + 2 * n))
+        return patches.flatten(0, n).flatten(1)
 
     def output_gradients(self, module: nn.Module, grad: Tensor) -> Tensor:
-        grad = _batched(grad)
-        return grad.permute(0, 2, 3, 1).reshape(-1, grad.shape[1])
+        grad = self._batched(grad)
+        return grad.movedim(1, -1).reshape(-1, grad.shape[1])
 
     def output_terms(self, module: nn.Module, grad: Tensor) -> tuple[int, int]:
-        grad = _batched(grad)
+        grad = self._batched(grad)
         return grad.shape[0], grad.shape[0] * grad.shape[2:].numel()
 
     def input_sum_squares(self, module: nn.Module, x: Tensor) -> tuple[Tensor, int]:
-        """Without unfolding the patches (:func:`singd_cuda.ops.conv2d_patch_sum_squares`)."""
+        """Without unfolding the patches: :func:`singd_cuda.ops.conv2d_patch_sum_squares`
+        (Conv1d as a Conv2d of height 1); Conv3d sums the squared input over the batch
+        and then over the windows of each kernel offset."""
         from ..ops import conv2d_patch_sum_squares
 
-        x, padding = _padded(module, _batched(x))
-        rows = x.shape[0] * _conv_positions(module, x.shape[-2:], padding)
-        h = conv2d_patch_sum_squares(
-            x, module.kernel_size, module.stride, padding, module.dilation, module.groups
-        )
-        return h, rows
+        x, padding = _padded(module, self._batched(x))
+        rows = x.shape[0] * _conv_positions(module, x.shape[2:], padding)
+        if self.spatial == 3:
+            return _patch_sum_squares_3d(x, module, padding), rows
+        if self.spatial == 1:  # (B, C, L) as (B, C, 1, L)
+            (k,), (s,), (p,), (d,) = module.kernel_size, module.stride, padding, module.dilation
+            h = conv2d_patch_sum_squares(
+                x.unsqueeze(2), (1, k), (1, s), (0, p), (1, d), module.groups
+            )
+            return h, rows
+        geometry = (module.kernel_size, module.stride, padding, module.dilation, module.groups)
+        return conv2d_patch_sum_squares(x, *geometry), rows
 
     def output_sum_squares(self, module: nn.Module, grad: Tensor) -> Tensor:
         from ..ops import col_sum_squares
 
-        return col_sum_squares(_batched(grad), 1)
+        return col_sum_squares(self._batched(grad), 1)
+
+    def _batched(self, x: Tensor) -> Tensor:
+        """A conv input or output gradient with its batch dimension (unbatched: batch 1)."""
+        return x if x.dim() == self.spatial + 2 else x.unsqueeze(0)
 
 
-def _batched(x: Tensor) -> Tensor:
-    """A conv input or output gradient with its batch dimension (unbatched: batch 1)."""
-    return x if x.dim() == 4 else x.unsqueeze(0)
-
-
-def _padded(module: nn.Conv2d, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
+def _padded(module: nn.Module, x: Tensor) -> tuple[Tensor, tuple[int, ...]]:
     """(x, padding left to unfold): padded as the layer's own forward pads it where that
     is not plain symmetric zero padding ('same' may be asymmetric)."""
     padding = module.padding
     if module.padding_mode != "zeros" or isinstance(padding, str):
         mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-        return F.pad(x, module._reversed_padding_repeated_twice, mode=mode), (0, 0)
+        x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
+        return x, (0,) * len(module.kernel_size)
     return x, padding
 
 
-def _conv_positions(module: nn.Conv2d, size, padding) -> int:
+def _conv_positions(module: nn.Module, size, padding) -> int:
     out = 1
     dims = zip(size, module.kernel_size, module.stride, padding, module.dilation, strict=True)
     for n, k, s, p, d in dims:
@@ -175,7 +196,37 @@ def _conv_positions(module: nn.Conv2d, size, padding) -> int:
     return out
 
 
-_KINDS: dict[type, LayerKind] = {nn.Linear: LinearKind(), nn.Conv2d: Conv2dKind()}
+def _pad_arg(padding: tuple[int, ...]) -> list[int]:
+    """F.pad's argument for symmetric ``padding`` of the trailing dimensions."""
+    return [p for p in reversed(padding) for _ in range(2)]
+
+
+def _windows(x: Tensor, module: nn.Module) -> Tensor:
+    """(B, C, *out, *kernel): a view of the (padded) x, the input of every kernel offset
+    at every output position (F.unfold for any number of spatial dimensions)."""
+    geometry = zip(module.kernel_size, module.stride, module.dilation, strict=True)
+    for dim, (k, s, d) in enumerate(geometry):
+        x = x.unfold(2 + dim, d * (k - 1) + 1, s)[..., ::d]
+    return x
+
+
+def _patch_sum_squares_3d(x: Tensor, module: nn.Module, padding) -> Tensor:
+    """diag(aᵀa) of Conv3d patches: each entry (c, kernel offset) is the sum of the
+    squared, group-averaged input over its window positions, summed over the batch first."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    x = x.to(acc)
+    if module.groups > 1:
+        x = x.reshape(x.shape[0], module.groups, -1, *x.shape[2:]).mean(1)
+    squares = F.pad(x.square().sum(0, keepdim=True), _pad_arg(padding))
+    return _windows(squares, module).sum((0, 2, 3, 4)).flatten()
+
+
+_KINDS: dict[type, LayerKind] = {
+    nn.Linear: LinearKind(),
+    nn.Conv1d: ConvKind(1),
+    nn.Conv2d: ConvKind(2),
+    nn.Conv3d: ConvKind(3),
+}
 # kinds of classes from optional packages, by "module.qualname": matched without importing
 _KINDS_BY_PATH: dict[str, LayerKind] = {
     "transformers.pytorch_utils.Conv1D": TransposedLinearKind(),
@@ -296,8 +347,8 @@ def samples(layer: Layer, output: Tensor, batch_dim: int) -> int:
     """The samples one call's output (or output gradient) holds, from its shape: for
     features-last kinds (Linear-like) the size of leading dimension ``batch_dim``, or of
     the first when there is no such leading dimension (a (B, C) head after pooling in a
-    sequence-first model); for other kinds (Conv2d: NCHW) the kind's own batch size.
-    An unbatched output is one sample."""
+    sequence-first model); for other kinds (convolutions: N of (N, C, ...)) the kind's own
+    batch size. An unbatched output is one sample."""
     kind = layer.kind
     if batch_dim == 0 or not kind.features_last or output.dim() - 1 <= batch_dim:
         return kind.output_terms(layer.module, output)[0]

@@ -427,8 +427,8 @@ class AdaFisher(KroneckerOptimizer):
 
     Args:
         model: the ``nn.Module`` to train (or a DistributedDataParallel wrapping it); its
-            supported layers (``nn.Linear``, ``nn.Conv2d``, Hugging Face ``Conv1D``,
-            registered kinds) are hooked to capture curvature.
+            supported layers (``nn.Linear``, ``nn.Conv1d/2d/3d``, Hugging Face
+            ``Conv1D``, registered kinds) are hooked to capture curvature.
         params: None (default: every parameter of ``model``, frozen ones included) or
             parameters / parameter groups drawn from ``model.parameters()``. A layer's
             weight and bias must be in the same group.

@@ -124,6 +124,7 @@ class KroneckerOptimizer(Optimizer):
         self._waiting_warned: set[int] = set()  # weights warned about waiting for statistics
         self._seen_forward = False  # a grad-enabled model forward ran since construction
         self._index_model()
+        summary.warn_unpreconditioned(self)
         groups = [self.group_of(layer) for layer in self._layers]
         self._sync: ScaleOut | None = scale_out.plug().attach(
             model,

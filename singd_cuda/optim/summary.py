@@ -2,10 +2,12 @@
 
 :func:`preconditioned` maps each preconditioned module's qualified name to its (K side,
 C side) structures; :func:`summary` lays out one row per preconditioned layer (module,
-kind, weight shape, structures, factor-state bytes), one row per module of a supported
-kind whose weight the AdamW fallback trains instead (e.g. an ``nn.MultiheadAttention``
-output projection), and a last line with the fraction of trainable parameters that get curvature
-and the state bytes.
+kind, weight shape, structures, factor-state bytes), one row per module whose parameters
+the AdamW fallback trains, with the reason (:func:`fallback_modules`: a norm, an
+embedding, a module without a layer kind, a frozen one, an ``nn.MultiheadAttention``
+output projection...), and a last line with the fraction of trainable parameters that
+get curvature and the state bytes. :func:`warn_unpreconditioned` is the optimizers'
+construction warning for weight matrices without a layer kind.
 
 Factor-state bytes are the layer's curvature state (SINGD: K, m_K, C, m_C; K-FAC: A, G
 and their inverses; AdaFisher: h, s), not the per-parameter momentum buffers; before the
@@ -14,11 +16,16 @@ first step they are what the first step will allocate.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from ..curvature.layers import Layer, is_supported
+from ..curvature.layers import Layer, bypassed_modules, is_supported
+from ..curvature.norm_layers import NORM_LAYERS
+
+NORMS = (*NORM_LAYERS, nn.RMSNorm, nn.LocalResponseNorm)  # and classes named "...Norm..."
 
 # per-parameter buffers in a weight's state: not curvature
 _PARAMETER_BUFFERS = ("momentum_buffer", "exp_avg")
@@ -61,22 +68,98 @@ def tensor_bytes(value) -> int:
     return 0
 
 
-def fallback_modules(opt: Optimizer) -> list[tuple[str, str, tuple[int, ...]]]:
-    """(name, class name, weight shape) of the modules of a supported kind whose trained
-    weight gets the AdamW fallback instead of curvature (e.g. a weight a module of another
-    kind holds too, or an ``nn.MultiheadAttention.out_proj``)."""
+def fallback_modules(opt: Optimizer) -> list[tuple[str, str, str, str]]:
+    """(name, class name, parameters, reason) of every module holding parameters that the
+    AdamW fallback trains, in model order; ``parameters`` is the weight's shape, or the
+    first parameter's name and shape. Reasons: "frozen" (all of them frozen now),
+    "norm" (without ``norm_fisher``), "embedding", "unsupported kind" (a ``weight``-like
+    parameter but no layer kind: register one), "free parameters" (no layer kind, no
+    weight: class tokens, scales), and for a module of a supported kind the reason it is
+    not preconditioned (:func:`_supported_reason`)."""
+    rows = []
+    for name, module, held in _fallback_holders(opt):
+        if "weight" in held:
+            shown = _shape(held["weight"].shape)
+        else:
+            shown = _named(*next(iter(held.items())))
+            shown += f" (+{len(held) - 1})" if len(held) > 1 else ""
+        rows.append((name, type(module).__name__, shown, _reason(opt, module, held)))
+    return rows
+
+
+def unpreconditioned_matrices(opt: Optimizer) -> list[str]:
+    """'name' (Class: parameter shape) of each module with a trainable ``weight``-like
+    parameter of 2 or more dims whose class has no layer kind (what the construction
+    warning lists): embeddings and norms are left out, on the fallback by design."""
+    found = []
+    for name, module, held in _fallback_holders(opt):
+        if _reason(opt, module, held) != "unsupported kind":
+            continue
+        matrices = [
+            _named(key, p)
+            for key, p in held.items()
+            if p.requires_grad and p.dim() >= 2 and "weight" in key
+        ]
+        if matrices:
+            found.append(f"'{name}' ({type(module).__name__}: {', '.join(matrices)})")
+    return found
+
+
+def _fallback_holders(opt: Optimizer):
+    """(name, module, {parameter name: parameter}) of the modules that hold fallback
+    parameters directly (a parameter held twice counts for its first holder)."""
     fallback = {id(p) for p in opt._fallback_params}
     seen: set[int] = set()
-    rows = []
     for name, module in opt.model.named_modules():
-        weight = getattr(module, "weight", None)
-        if not is_supported(module) or weight is None or id(weight) not in fallback:
-            continue
-        if id(module) in seen:
-            continue
-        seen.add(id(module))
-        rows.append((name or type(module).__name__, type(module).__name__, tuple(weight.shape)))
-    return rows
+        held = {
+            key: p
+            for key, p in module._parameters.items()
+            if p is not None and id(p) in fallback and id(p) not in seen
+        }
+        if held:
+            seen.update(id(p) for p in held.values())
+            yield name or type(module).__name__, module, held
+
+
+def warn_unpreconditioned(opt: Optimizer) -> None:
+    """One UserWarning naming the modules of :func:`unpreconditioned_matrices`, if any."""
+    found = unpreconditioned_matrices(opt)
+    if found:
+        warnings.warn(
+            f"{type(opt).__name__}: {len(found)} module(s) with a weight matrix have no "
+            f"layer kind and train with the AdamW fallback, without curvature: "
+            f"{'; '.join(found)}. Register a LayerKind for their class "
+            "(singd_cuda.register_layer_kind) to precondition them; opt.summary() lists "
+            "every module on the fallback and why",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
+def _reason(opt: Optimizer, module: nn.Module, held: dict[str, Tensor]) -> str:
+    if not any(p.requires_grad for p in held.values()):
+        return "frozen"
+    if is_supported(module):
+        return _supported_reason(opt, module)
+    if isinstance(module, NORMS) or "Norm" in type(module).__name__:
+        return "norm"
+    if isinstance(module, nn.Embedding | nn.EmbeddingBag):
+        return "embedding"
+    return "unsupported kind" if any("weight" in key for key in held) else "free parameters"
+
+
+def _supported_reason(opt: Optimizer, module: nn.Module) -> str:
+    """Why a module of a supported kind is left to the fallback (see find_layers)."""
+    weight = module.weight
+    if id(weight) not in opt._param_group:
+        return "weight not in params"
+    if any(layer.weight is weight for layer in opt.layers):
+        return "bias not shared by the weight's modules"  # a frozen bias reads "frozen"
+    if id(module) in bypassed_modules(opt.model):
+        return "forward bypassed (MultiheadAttention)"
+    if weight.numel() == 0:
+        return "no inputs or outputs"
+    return "weight shared with another kind of module"
 
 
 def summary(opt: Optimizer) -> str:
@@ -98,8 +181,8 @@ def summary(opt: Optimizer) -> str:
                 format_bytes(nbytes),
             )
         )
-    for name, kind, shape in fallback_modules(opt):
-        rows.append((name, kind, _shape(shape), "AdamW fallback", "", "-"))
+    for name, kind, shown, reason in fallback_modules(opt):
+        rows.append((name, kind, shown, f"AdamW fallback: {reason}", "", "-"))
     trainable = {id(p): p.numel() for g in opt.param_groups for p in g["params"]}
     curvature = sum(trainable.get(id(p), 0) for layer in opt.layers for p in layer.params)
     total = sum(trainable.values())
@@ -125,6 +208,10 @@ def format_bytes(n: int) -> str:
 
 def _shape(shape) -> str:
     return " x ".join(str(s) for s in shape)
+
+
+def _named(key: str, param: Tensor) -> str:
+    return f"{key} {_shape(param.shape)}"
 
 
 def _line(cells, widths) -> str:

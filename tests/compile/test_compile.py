@@ -77,9 +77,27 @@ def cnn() -> nn.Module:
     )
 
 
+def cnn1d() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv1d(3, 4, 3, padding=1, padding_mode="circular"),
+        nn.ReLU(),
+        nn.Conv1d(4, 4, 1, groups=2),  # pointwise
+        nn.Flatten(),
+        nn.Linear(4 * 8, 3),
+    )
+
+
+def cnn3d() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv3d(2, 4, 2, stride=2), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 2 * 2 * 2, 3)
+    )
+
+
 MODELS = {
     "mlp": (mlp, (10, 6)),
     "cnn": (cnn, (10, 3, 8, 8)),
+    "cnn1d": (cnn1d, (10, 3, 8)),
+    "cnn3d": (cnn3d, (10, 2, 4, 4, 4)),
     "transformer": (Block, (10, 5, 8)),
 }
 
@@ -146,6 +164,18 @@ def test_compiled_training_equals_eager_bit_for_bit(name):
     the same parameters as eager, bit for bit."""
     eager = train("mlp", name, None)
     compiled = train("mlp", name, "aot_eager")
+    for a, b in zip(eager, compiled, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["singd-diagonal", "kfac"])
+@pytest.mark.parametrize("model_name", ["cnn1d", "cnn3d"])
+def test_compiled_conv1d_and_conv3d_training_equals_eager_bit_for_bit(model_name, name):
+    """As above for Conv1d and Conv3d layers (diagonal and dense statistics)."""
+    eager = train(model_name, name, None)
+    compiled = train(model_name, name, "aot_eager")
+    model = make(model_name)[0]
+    assert len(OPTIMIZERS[name](model).layers) == sum(hasattr(m, "weight") for m in model)
     for a, b in zip(eager, compiled, strict=True):
         assert torch.equal(a, b)
 

@@ -125,7 +125,7 @@ def build(name: str, seed: int = 0) -> RealModel:
 
 def expected_split(model: nn.Module) -> tuple[set[str], set[str]]:
     """(names of the modules to precondition, names of supported modules whose weight the
-    fallback trains): every matmul layer (Linear, Conv2d, Hugging Face Conv1D) is
+    fallback trains): every matmul layer (Linear, Conv1d-3d, Hugging Face Conv1D) is
     preconditioned, an output head tied to the input embedding included (README, "What
     counts as curvature")."""
     preconditioned = {name for name, module in model.named_modules() if is_supported(module)}

@@ -1,6 +1,7 @@
 """The layer rules' a and g reproduce the layer's own weight gradient: for an ungrouped
 layer G = gᵀa exactly (before the 1/√N and √L scalings), which pins the patch
-extraction for every stride, dilation, padding and padding mode."""
+extraction of Conv1d, Conv2d and Conv3d for every stride, dilation, padding and padding
+mode; the diagonal paths' sums of squares are diag(aᵀa) of those patches."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from singd_cuda.curvature.layers import (
     grad_output_matrix,
     gradient_matrix,
     input_matrix,
+    input_sum_squares,
 )
 
 CONVS = [
@@ -27,6 +29,28 @@ CONVS = [
     dict(kernel_size=3, stride=2, padding=2, padding_mode="circular"),
     dict(kernel_size=3, padding=1, padding_mode="replicate"),
 ]
+
+CONVS_1D = [
+    dict(kernel_size=1),  # pointwise
+    dict(kernel_size=3, stride=2, padding=1),
+    dict(kernel_size=3, stride=2, padding=2, dilation=2, padding_mode="circular"),
+    dict(kernel_size=4, padding="same"),  # asymmetric padding
+    dict(kernel_size=3, padding="same", dilation=2, padding_mode="reflect"),
+    dict(kernel_size=2, padding=1, padding_mode="replicate"),
+]
+CONVS_3D = [
+    dict(kernel_size=1),
+    dict(kernel_size=(2, 3, 1), stride=(1, 2, 1), padding=(1, 0, 1), dilation=(2, 1, 1)),
+    dict(kernel_size=2, padding="same"),
+    dict(kernel_size=3, padding=1, padding_mode="reflect"),
+    dict(kernel_size=(1, 2, 3), stride=2, padding=(0, 1, 1), padding_mode="circular"),
+    dict(kernel_size=(3, 1, 2), padding=(1, 0, 1), padding_mode="replicate"),
+]
+CONV_1D_3D = [
+    *[(nn.Conv1d, conv, (2, 4, 9)) for conv in CONVS_1D],
+    *[(nn.Conv3d, conv, (2, 4, 5, 4, 6)) for conv in CONVS_3D],
+]
+CONV_CASES = [*CONV_1D_3D, *[(nn.Conv2d, conv, (2, 4, 7, 6)) for conv in CONVS]]
 
 
 def captured(module: nn.Module, x: torch.Tensor):
@@ -57,3 +81,31 @@ def test_linear_rows_reproduce_the_weight_gradient(shape):
     module = nn.Linear(6, 4).double()
     a, g, G = captured(module, torch.randn(*shape, dtype=torch.float64))
     torch.testing.assert_close(g.T @ a, G, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize(("cls", "conv", "shape"), CONV_1D_3D, ids=str)
+def test_conv1d_and_conv3d_patches_reproduce_the_weight_gradient(cls, conv, shape, bias):
+    torch.manual_seed(0)
+    module = cls(4, 3, bias=bias, **conv).double()
+    a, g, G = captured(module, torch.randn(*shape, dtype=torch.float64))
+    torch.testing.assert_close(g.T @ a, G, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")
+@pytest.mark.parametrize("unbatched", [False, True], ids=["batched", "unbatched"])
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize(("cls", "conv", "shape"), CONV_CASES, ids=str)
+def test_conv_sums_of_squares_are_the_patch_gram_diagonal(cls, conv, shape, groups, unbatched):
+    """The diagonal paths' diag(aᵀa), computed without unfolding (the fused conv2d op for
+    Conv1d and Conv2d, summed windows for Conv3d), equals the unfolded patches'."""
+    torch.manual_seed(0)
+    module = cls(4, 6, groups=groups, **conv).double()
+    x = torch.randn(*shape, dtype=torch.float64)
+    x = x[0] if unbatched else x
+    layer = Layer("layer", module, module.weight, module.bias)
+    a = input_matrix(layer, x, torch.float64)
+    torch.testing.assert_close(
+        input_sum_squares(layer, x, torch.float64), (a * a).sum(0), rtol=1e-12, atol=1e-14
+    )
