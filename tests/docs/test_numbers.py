@@ -58,3 +58,37 @@ def test_the_record_counts_about_the_tests_selected_now():
         f"{now} tests now, {recorded['selected']} recorded: run python benchmarks/test_run.py"
         " --record"
     )
+
+
+NUMBER = re.compile(r"(?<![\w.])(\d[\d,]*(?:\.\d+)?)\s?(?:µs|ms|MiB|MB|%|x|×)(?!\w)")
+
+
+def _quoted_numbers_missing_from_their_records(text: str) -> list[tuple[str, str]]:
+    """(number, paragraph start) of each time, size, share or ratio in a paragraph that
+    links records (``records/NAME.md``) that none of those records contains."""
+    hooks = _hooks()
+    pages = {page: source for source, page in hooks.RECORDS.items()}
+    missing = []
+    for paragraph in re.split(r"\n\s*\n", text):
+        linked = re.findall(r"\]\(records/([\w.]+\.md)\)", paragraph)
+        if not linked:
+            continue
+        records = "".join((hooks.RESULTS / pages[page]).read_text() for page in linked)
+        missing += [
+            (number, paragraph[:60])
+            for number in NUMBER.findall(paragraph)
+            if number not in records
+        ]
+    return missing
+
+
+def test_the_performance_page_quotes_its_records():
+    """Every time, size, share or ratio next to a record link is in that record."""
+    text = (ROOT / "docs" / "performance.md").read_text()
+    assert "](records/" in text
+    assert not _quoted_numbers_missing_from_their_records(text)
+
+
+def test_a_number_the_linked_record_lacks_is_found():
+    text = "Step 12.5 ms ([`structures.md`](records/structures.md)); 4.16 ms dense."
+    assert _quoted_numbers_missing_from_their_records(text) == [("12.5", text[:60])]
