@@ -51,6 +51,7 @@ RECORDS = {
     "defaults.md": "defaults.md",
     "defaults_models.md": "defaults_models.md",
     "fsdp.md": "fsdp.md",
+    "fsdp_example.md": "fsdp_example.md",
     "harness_memory/README.md": "harness_memory.md",
     "harness/README.md": "harness_commands.md",
 }
