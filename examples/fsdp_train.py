@@ -153,6 +153,8 @@ def release_process_group() -> None:
     (``gc.collect`` frees them).
     Left to the interpreter's exit, a gloo thread still running while the interpreter
     finalises can abort the process ("terminate called without an active exception").
+    The caches are torch's private ones (2.14); tests/distributed/test_fsdp_example.py
+    checks that no gloo thread is alive when the interpreter starts to exit.
     """
     from torch.distributed.tensor import _collective_utils, _redistribute
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
