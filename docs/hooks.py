@@ -2,6 +2,9 @@
 
 - ``records/<name>.md``: each benchmark record in ``benchmarks/results/`` (its command
   included), as recorded, so the performance pages link to the numbers themselves.
+- ``test_run_sentence()``: the size (and, when recorded, the duration) of the default test
+  run from ``benchmarks/results/test_run.json``, which the README and Getting started
+  carry (``tests/docs`` checks their copies).
 - ``evidence.md``: the marker ``<!-- harness-tables -->`` is replaced by tables rendered
   from every recorded harness run's ``results.json`` (``benchmarks/results/harness*/``),
   and ``<!-- harness-headline -->`` by :func:`headline_table`, which the README carries
@@ -21,6 +24,23 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 HARNESS = RESULTS / "harness"
 
+TEST_RUN = RESULTS / "test_run.json"
+
+
+def test_run_sentence(path: Path = TEST_RUN) -> str:
+    """The recorded size of the default test run (and its duration, when one was timed)."""
+    record = json.loads(path.read_text())
+    sentence = (
+        f"The default test run has {record['selected']:,} tests ({record['deselected']:,} slow "
+        f"or GPU tests deselected; `-m slow` / `-m gpu` select them; counted {record['date']})"
+    )
+    duration = record.get("duration")
+    if duration:
+        minutes = duration["seconds"] / 60
+        sentence += f" and took {minutes:.0f} minutes on {duration['machine']} ({duration['date']})"
+    return sentence + "."
+
+
 # Benchmark records published as pages: (record file, page name).
 RECORDS = {
     "vs_peers.md": "vs_peers.md",
@@ -31,6 +51,7 @@ RECORDS = {
     "defaults.md": "defaults.md",
     "defaults_models.md": "defaults_models.md",
     "fsdp.md": "fsdp.md",
+    "fsdp_example.md": "fsdp_example.md",
     "harness_memory/README.md": "harness_memory.md",
     "harness/README.md": "harness_commands.md",
 }

@@ -1,6 +1,6 @@
 """AdaFisher (Gomes et al., ICLR 2025) as a structure: diagonal Kronecker factors.
 
-DESIGN.md section 4. Per layer: h (d_K) and s (d_C), exponential moving averages
+The paper's update. Per layer: h (d_K) and s (d_C), exponential moving averages
 (h ← γh + (1−γ)h_new, γ = ``ema_decay``) of the mean squared layer input and
 the mean squared (loss-scaled) output gradient, refreshed every T steps. The
 preconditioner F̃ = s′ ⊗ h′ + λ uses the min–max normalised EMAs, as in the
@@ -456,7 +456,7 @@ class AdaFisher(KroneckerOptimizer):
             with every state unchanged either way (one device read per step decides it).
             ``"device"``: the skip is decided on the device without a read (every write
             consumes it; no tensor changes, the host counters count the step) and warned
-            about at a later step (docs/concepts/curvature.md).
+            about at a later step ([docs/concepts/curvature.md](../concepts/curvature.md)).
         process_group: the torch.distributed group to synchronise over (default None: WORLD
             when torch.distributed is initialised).
         distribute_factors: each rank updates and holds the factors of the layers it owns

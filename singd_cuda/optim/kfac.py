@@ -242,7 +242,7 @@ class KFAC(KroneckerOptimizer):
             with every state unchanged either way (one device read per step decides it).
             ``"device"``: the skip is decided on the device without a read (every write
             consumes it; no tensor changes, the host counters count the step) and warned
-            about at a later step (docs/concepts/curvature.md).
+            about at a later step ([docs/concepts/curvature.md](../concepts/curvature.md)).
         process_group: the torch.distributed group to synchronise over (default None: WORLD
             when torch.distributed is initialised).
         distribute_factors: each rank updates and holds the factors of the layers it owns

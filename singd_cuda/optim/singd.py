@@ -1,6 +1,6 @@
 """SINGD: structured inverse-free natural gradient descent (Lin et al., ICML 2024).
 
-DESIGN.md section 2. Per layer: structured factors K (d_K x d_K) and C
+The paper's update. Per layer: structured factors K (d_K x d_K) and C
 (d_C x d_C) with Riemannian momenta m_K, m_C; the preconditioner is
 (K Kᵀ) ⊗ (C Cᵀ). No inversion or decomposition anywhere, so the factors can
 live in bfloat16/float16 (``factor_dtype``) with float32 accumulation.
@@ -64,7 +64,7 @@ def _structure_classes(K_spec, C_spec) -> tuple[type[StructuredMatrix], type[Str
 
 
 class SingdRule(LayerRule):
-    """SINGD's factor update and preconditioning for one layer (DESIGN.md section 2)."""
+    """SINGD's factor update and preconditioning for one layer (the paper's update)."""
 
     def __init__(self) -> None:
         self._squares = DerivedCache()  # diagonal path: DiagonalSquares between factor updates
@@ -581,10 +581,10 @@ class SINGD(KroneckerOptimizer):
 
     ``SINGD(model, lr=1e-3, momentum=0.9, damping=1e-2, alpha1=0.5, weight_decay=0.0,
     T=10, lr_cov=1e-2, structures="block_diagonal:32", kfac_like=False, warm_start=True,
-    ...)``: see docs/optimizers/singd.md.
+    ...)``: see [docs/optimizers/singd.md](../optimizers/singd.md).
     ``structures`` is a name ("dense", "diagonal", "block_diagonal:32", "low_rank:8",
     "tril_toeplitz", "triu_toeplitz", "hierarchical:15,15"), a (K side, C side) pair,
-    structure classes, or "adafisher" (AdaFisher's diagonal rule, DESIGN.md section 4).
+    structure classes, or "adafisher" ([AdaFisher's diagonal rule](../optimizers/adafisher.md)).
     ``kfac_like=True`` is IKFAC (alpha1 forced to 0). ``warm_start=True`` starts each
     layer's factors at the scale of its first statistics instead of K = C = I
     (:mod:`singd_cuda.optim.warm_start`). ``damping``, ``lr_cov`` and ``T``
@@ -646,7 +646,7 @@ class SINGD(KroneckerOptimizer):
             with every state unchanged either way (one device read per step decides it).
             ``"device"``: the skip is decided on the device without a read (every write
             consumes it; no tensor changes, the host counters count the step) and warned
-            about at a later step (docs/concepts/curvature.md).
+            about at a later step ([docs/concepts/curvature.md](../concepts/curvature.md)).
         process_group: the torch.distributed group to synchronise over (default None: WORLD
             when torch.distributed is initialised).
         distribute_factors: each rank updates and holds the factors of the layers it owns

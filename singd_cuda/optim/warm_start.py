@@ -6,7 +6,7 @@ until then SINGD is momentum SGD at ``lr``. The warm start sets K = k·I and C =
 (in the layer's structures) at the layer's first statistics step, before its first
 factor update, with k and c at the fixed point of that update on the trace.
 
-SINGD (DESIGN.md section 2), with U = Π̂(aᵀa), G = Π̂(gᵀg), ū = tr̄(U), ḡ = tr̄(G): for
+SINGD's factor update, with U = Π̂(aᵀa), G = Π̂(gᵀg), ū = tr̄(U), ḡ = tr̄(G): for
 K = k·I and C = c·I, H_K = k²U and H_C = c²G, so
 
     tr̄(m̂_K) = tr̄(m̂_C) = ½[k²c²(ū ḡ + λ) − 1],

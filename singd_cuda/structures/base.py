@@ -265,7 +265,7 @@ class StructuredMatrix(ABC):
         return torch.stack(maxima).max()
 
     def average_trace(self) -> Tensor:
-        """trace / d, the tr̄ of DESIGN.md section 2."""
+        """trace / d: the mean of the diagonal, tr̄ in the SINGD update."""
         return self.trace() / self.dim
 
     def clone(self) -> StructuredMatrix:

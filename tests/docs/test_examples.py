@@ -31,7 +31,7 @@ def namespaces() -> dict[str, dict]:
     return {}
 
 
-@pytest.mark.parametrize("block", _params())
+@pytest.mark.parametrize("block", list(_params()))
 def test_example_runs(block, namespaces, tmp_path_factory, monkeypatch):
     if block.not_run is not None:
         pytest.skip(f"not run: {block.not_run}")

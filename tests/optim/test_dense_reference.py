@@ -1,4 +1,4 @@
-"""Dense SINGD equals an independent float64 implementation of DESIGN.md section 2.
+"""Dense SINGD equals an independent float64 implementation of the paper's update.
 
 The reference below uses plain tensors only (no singd_cuda code): it runs the
 model functionally on its own copy of the parameters, builds a and g from the
@@ -100,7 +100,7 @@ def avg_trace(M: Tensor) -> Tensor:
 
 
 def factor_update(K, C, m_K, m_C, aTa, gTg, *, damping, alpha1, lr_cov, kfac_like):
-    """One dense SINGD factor update (DESIGN.md section 2); returns K, C, m_K, m_C."""
+    """One dense SINGD factor update (the paper's); returns K, C, m_K, m_C."""
     H_K, H_C = K.T @ aTa @ K, C.T @ gTg @ C
     KtK, CtC = K.T @ K, C.T @ C
     I_K, I_C = torch.eye(K.shape[0], dtype=K.dtype), torch.eye(C.shape[0], dtype=C.dtype)

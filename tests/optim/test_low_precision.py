@@ -73,7 +73,7 @@ def fit(kind, structure, model_dtype=torch.float32, autocast_dtype=None, **kwarg
     return losses[0], final, model
 
 
-@pytest.mark.parametrize(("kind", "structure"), grid())
+@pytest.mark.parametrize(("kind", "structure"), list(grid()))
 def test_bf16_autocast_matches_float32(kind, structure):
     initial, final32, _ = fit(kind, structure)
     _, final16, _ = fit(kind, structure, autocast_dtype=torch.bfloat16)
@@ -82,7 +82,7 @@ def test_bf16_autocast_matches_float32(kind, structure):
 
 
 @pytest.mark.parametrize("stochastic_rounding", [False, True], ids=["nearest", "stochastic"])
-@pytest.mark.parametrize(("kind", "structure"), grid())
+@pytest.mark.parametrize(("kind", "structure"), list(grid()))
 def test_pure_bf16_is_finite(kind, structure, stochastic_rounding):
     initial, final, model = fit(
         kind,

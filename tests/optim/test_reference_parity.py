@@ -5,7 +5,7 @@ reference's defaults that matter are kept: ``kfac_approx="expand"`` (ours:
 patches / leading dims flattened into rows), ``init_grad_scale=1.0`` (no
 GradScaler here), ``preconditioner_dtype=(None, None)`` (the weight dtype),
 ``loss_average="batch"``. Block-diagonal is not compared (the reference
-applies K where Kᵀ is needed, DESIGN.md section 2); instead the structures
+applies K where Kᵀ is needed, docs/departures.md); instead the structures
 that reduce to dense for large enough parameters must equal dense SINGD.
 """
 
