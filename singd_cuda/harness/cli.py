@@ -94,7 +94,7 @@ FULL_GRID = {
 #: Seeds of the tuning sweep: apart from the grid's, so that no reported run is a tuning run.
 TUNE_SEEDS = [100]
 #: Steps per task in the default grid (``--full`` and ``tune`` use DEFAULT_STEPS).
-QUICK_STEPS = {"mnist1d_mlp": 500, "mnist1d_cnn": 200, "lm": 60, "llama_lm": 100, "digits": 100}
+QUICK_STEPS = {"mnist1d_mlp": 500, "mnist1d_cnn": 200, "lm": 40, "llama_lm": 100, "digits": 100}
 
 
 def say(text: str = "") -> None:
@@ -699,8 +699,8 @@ def times_note(meta: dict) -> str:
         else ""
     )
     return (
-        "Times (columns labelled 'timed'): from the timing pass after the grid, in one "
-        f"process with one thread, nothing else of the harness running: each cell's first "
+        f"Times (columns labelled 'timed'): from the timing pass of {timing['created']}, "
+        "in one process with one thread, nothing else of the harness running: each cell's first "
         f"seed, a {timing['warmup_steps']}-step warm-up, then {timing['rounds']} rounds of "
         f"{timing['block']} steps, the cells interleaved; a round's time is its mean per "
         f"step by the {clock}; shown as median [min–max] over the rounds. 'time vs AdamW' "

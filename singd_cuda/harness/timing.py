@@ -37,7 +37,7 @@ from .precision import PRECISIONS
 from .runner import RunSpec, build_optimizer, training_step
 
 #: Timed blocks per cell and training steps per block (after one warm-up block).
-ROUNDS = 5
+ROUNDS = 4
 BLOCK = 10
 
 
