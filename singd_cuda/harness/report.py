@@ -484,11 +484,11 @@ def plot_time_to_target(path: Path, table_cells: dict) -> Figure:
         ax.invert_yaxis()
         ax.set_xlim(0, top)
         ax.set_xlabel(
-            "seconds to AdamW's final held-out loss: median steps over seeds x "
+            "seconds to AdamW's final held-out loss: median steps x "
             + (
-                "step time of the timing pass (1 process, 1 thread; whiskers min..max)"
+                "step time of the timing pass (whiskers: min..max)"
                 if timed
-                else "median step time in the parallel grid (noisy)"
+                else "step time in the parallel grid (noisy)"
             ),
             fontsize=7,
         )
