@@ -332,7 +332,7 @@ def add_timing(p: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=BLOCK,
         metavar="N",
-        help=f"training steps per timed block; keep it a multiple of the optimizers' T "
+        help="training steps per timed block; keep it a multiple of the optimizers' T "
         f"(default: {BLOCK})",
     )
 
