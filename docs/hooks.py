@@ -102,6 +102,19 @@ def _ratio(value) -> str:
     return "—" if value is None or not math.isfinite(value) else f"{value:.2f}x"
 
 
+def _spread(values, unit: str = "") -> str:
+    """A timed [median, min, max] as "0.53x (0.50–0.56)", or "—"."""
+    if values is None:
+        return "—"
+    mid, low, high = (f"{v:.2f}{unit}" for v in values)
+    return f"{mid} ({low}–{high})"
+
+
+def is_timed(record: dict) -> bool:
+    """Whether a record's times come from a timing pass (``singd-harness timing``)."""
+    return bool(record.get("timing"))
+
+
 def _table(headers: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
@@ -164,12 +177,14 @@ PEER_NAMES = {
 
 
 def peers_table(root: Path = HARNESS) -> str:
-    """Held-out loss (accuracy %), steps to that run's AdamW loss, wall-clock time to it
-    relative to AdamW's (``time_vs_adamw``) and optimizer state per optimizer of the peer
-    runs (each task's model precision, fp32 factors; mean ± std over the recorded seeds)."""
+    """Held-out loss (accuracy %), steps to that run's AdamW loss, time to it relative to
+    AdamW's from the record's timing pass (``timed_time_vs_adamw``: median (min–max)
+    over its rounds; "—" for a record without one) and optimizer state per optimizer of
+    the peer runs (each task's model precision, fp32 factors; mean ± std over the
+    recorded seeds)."""
     headers = ["optimizer"]
     for _, title, _ in PEER_TASKS:
-        headers += [f"{title}: loss (acc %)", "steps to AdamW's loss", "time", "state MiB"]
+        headers += [f"{title}: loss (acc %)", "steps to AdamW's loss", "time (timed)", "state MiB"]
     records = {folder: load(root / folder)["cells"] for folder, _, _ in PEER_TASKS}
     rows = []
     for label, name in PEER_NAMES.items():
@@ -181,7 +196,7 @@ def peers_table(root: Path = HARNESS) -> str:
                 continue
             loss = _mean_std(cell["loss_mean"], cell["loss_std"])
             accuracy = _mean_std(cell["accuracy_mean"], None, 100.0, 1)
-            time_to_target = _ratio(cell["time_vs_adamw"])
+            time_to_target = _spread(cell.get("timed_time_vs_adamw"), "x")
             row += [
                 f"{loss} ({accuracy})",
                 _steps(cell),
@@ -192,23 +207,32 @@ def peers_table(root: Path = HARNESS) -> str:
     return _table(headers, rows)
 
 
-CELL_HEADERS = [
-    "optimizer",
-    "precision",
-    "factors",
-    "held-out loss",
-    "test acc %",
-    "failed seeds",
-    "vs fp32",
-    "steps to target",
-    "time vs AdamW",
-    "state MiB",
-    "step ms",
-]
+def cell_headers(timed: bool) -> list[str]:
+    """The columns of a record's table; the time columns say where their times come from:
+    the record's timing pass, or its grid's runs side by side (rough)."""
+    how = "timed" if timed else "parallel grid"
+    return [
+        "optimizer",
+        "precision",
+        "factors",
+        "held-out loss",
+        "test acc %",
+        "failed seeds",
+        "vs fp32",
+        "steps to target",
+        f"time vs AdamW ({how})",
+        "state MiB",
+        f"step ms ({how})",
+    ]
 
 
-def cell_row(cell: dict) -> list[str]:
-    """One row of :data:`CELL_HEADERS` from a recorded cell."""
+def cell_row(cell: dict, timed: bool = False) -> list[str]:
+    """One row of :func:`cell_headers` from a recorded cell."""
+    if timed:
+        times = [_spread(cell["timed_time_vs_adamw"], "x"), _spread(cell["timed_step_ms"])]
+    else:
+        step = cell["median_step_ms"]
+        times = [_ratio(cell["time_vs_adamw"]), "—" if step is None else f"{step:.2f}"]
     return [
         cell["label"],
         cell["precision"],
@@ -218,9 +242,9 @@ def cell_row(cell: dict) -> list[str]:
         cell["failures"] or f"{cell['failed_seeds']}/{cell['seeds']}",
         cell["verdict"],
         _steps(cell),
-        _ratio(cell["time_vs_adamw"]),
+        times[0],
         f"{cell['state_mib']:.3f}",
-        "—" if cell["median_step_ms"] is None else f"{cell['median_step_ms']:.2f}",
+        times[1],
     ]
 
 
@@ -237,6 +261,17 @@ def run_section(folder: Path, root: Path = RESULTS) -> str:
         f"{record['run_count']} runs in {minutes:.0f} min with {record['workers']} worker(s), "
         f"{record['created']} on {record['machine']}, torch {record['torch']}.",
     ]
+    timing = record.get("timing")
+    if timing:
+        clock = "process CPU time" if timing["clock"] == "cpu" else "wall clock"
+        parts += [
+            "",
+            f"Times: timing pass ({timing['created']}), one process, one thread, each "
+            f"cell's first seed, {timing['rounds']} interleaved rounds of {timing['block']} "
+            f"steps by the {clock}; median (min–max) over the rounds.",
+        ]
+    else:
+        parts += ["", "Times: the grid's runs side by side with other jobs (parallel grid): rough."]
     verdicts: dict[str, int] = {}
     for cell in record["cells"]:
         if cell["verdict"] != "reference":
@@ -244,8 +279,9 @@ def run_section(folder: Path, root: Path = RESULTS) -> str:
     if verdicts:
         summary = ", ".join(f"{n} {v}" for v, n in sorted(verdicts.items()))
         parts += ["", f"Low-precision cells against their fp32 cell: {summary}."]
+    timed = is_timed(record)
     for task in record["config"]["tasks"]:
-        rows = [cell_row(c) for c in record["cells"] if c["task"] == task]
+        rows = [cell_row(c, timed) for c in record["cells"] if c["task"] == task]
         steps = record["config"]["steps"][task]
         rates = ", ".join(
             f"{key.split('/', 1)[1]} {hparams.get('lr', '—')}"
@@ -254,7 +290,7 @@ def run_section(folder: Path, root: Path = RESULTS) -> str:
         )
         parts += ["", f"**{task}**, {steps} steps, seeds {record['config']['seeds']}:", ""]
         parts += [f"Learning rates: {rates}.", ""] if rates else []
-        parts.append(_table(CELL_HEADERS, rows))
+        parts.append(_table(cell_headers(timed), rows))
     return "\n".join(parts) + "\n"
 
 

@@ -1,6 +1,7 @@
-"""Command line: ``singd-harness [options]`` trains the grid and writes a report;
-``singd-harness tune`` sweeps the learning rates; ``singd-harness memory`` compares
-optimizer-state memory on standard architectures.
+"""Command line: ``singd-harness [options]`` trains the grid, times its cells (the timing
+pass, :mod:`.timing`) and writes a report; ``singd-harness timing FOLDER`` (re)times a
+recorded grid; ``singd-harness tune`` sweeps the learning rates; ``singd-harness memory``
+compares optimizer-state memory on standard architectures.
 
 Progress is printed as one flushed line per finished run (with an ETA), so it works in a
 pipe and in CI; each finished run is appended to ``runs.jsonl`` in the output folder as
@@ -39,10 +40,11 @@ from .peers import INSTALL_HINT, heavyball_available
 from .pool import default_workers, run_grid
 from .precision import FACTOR_DTYPES, NO_FACTORS, PRECISIONS
 from .report import (
-    HEADERS,
     SCHEMA,
     cell_row,
     cells,
+    headers,
+    is_timed,
     markdown_table,
     memory_rows,
     memory_table,
@@ -57,19 +59,30 @@ from .report import (
 )
 from .runner import EVALUATIONS, RunResult, RunSpec
 from .stats import RULE
+from .timing import BLOCK, ROUNDS, Timing, agreement, time_cells
 
-#: The default grid (finishes within a few minutes on a 2-core CPU): the fp32 model with
-#: fp32 and bf16 factors; the low-precision model modes are slow on a CPU (no fast bf16
-#: or fp16 kernels), so they run with ``--precisions`` or ``--full``, which runs every
-#: task, optimizer, structure, precision and factor dtype.
+#: The default grid, the harness's purpose in about 5 minutes on a 2-core CPU: the CNN and
+#: the character GPT, K-FAC beside SINGD, AdaFisher and AdamW, in fp32, bf16 autocast, fp16
+#: autocast + GradScaler and pure bf16, x fp32 and bf16 factors, 3 seeds, at the short
+#: step counts of :data:`QUICK_STEPS` (bf16 and fp16 matmuls and convolutions are
+#: emulated, slowly, on a CPU). ``--full`` runs every task, optimizer, structure,
+#: precision and factor dtype at :data:`DEFAULT_STEPS`.
 DEFAULT_GRID = {
-    "tasks": ["mnist1d_mlp", "mnist1d_cnn"],
-    "optimizers": ["adamw", "kfac", "adafisher", "sgd", "singd"],
+    "tasks": ["mnist1d_cnn", "lm"],
+    "optimizers": ["adamw", "kfac", "adafisher", "singd"],
     "structures": ["block_diagonal:32"],
-    "precisions": ["fp32"],
+    "precisions": ["fp32", "bf16-amp", "fp16-amp", "bf16-pure"],
     "factors": ["fp32", "bf16"],
     "seeds": [0, 1, 2],
 }
+#: What the default grid leaves out, as the report states it.
+DEFAULT_SCOPE = (
+    "The default grid: {steps}; left out (run them with the options or `--full`): the "
+    "MNIST-1D MLP and the LLaMA, the peers (momentum SGD, SOAP, PSGD-Kron, Muon), IKFAC, "
+    "SINGD structures other than block_diagonal:32, pure bf16 with stochastic rounding, "
+    "pure fp16 (a pure-fp16 step costs 3-10x an fp32 one on a CPU) and fp16 factors. "
+    "`--full` runs all of them at the full step counts ({full})."
+)
 FULL_GRID = {
     "tasks": ["mnist1d_mlp", "mnist1d_cnn", "lm", "llama_lm"],
     "optimizers": list(OPTIMIZERS),
@@ -81,7 +94,7 @@ FULL_GRID = {
 #: Seeds of the tuning sweep: apart from the grid's, so that no reported run is a tuning run.
 TUNE_SEEDS = [100]
 #: Steps per task in the default grid (``--full`` and ``tune`` use DEFAULT_STEPS).
-QUICK_STEPS = {"mnist1d_mlp": 500, "mnist1d_cnn": 500, "lm": 100, "llama_lm": 100, "digits": 100}
+QUICK_STEPS = {"mnist1d_mlp": 500, "mnist1d_cnn": 200, "lm": 40, "llama_lm": 100, "digits": 100}
 
 
 def say(text: str = "") -> None:
@@ -287,6 +300,13 @@ def train_parser() -> argparse.ArgumentParser:
         help="re-tune the learning rates (fp32 sweep) before the grid, and use them",
     )
     p.add_argument(
+        "--no-timing",
+        action="store_true",
+        help="skip the timing pass; the report's times are then the parallel grid's own "
+        "(labelled so, noisy)",
+    )
+    add_timing(p)
+    p.add_argument(
         "--resume",
         action="store_true",
         help="continue the grid in the --out folder: runs already recorded in its "
@@ -296,6 +316,44 @@ def train_parser() -> argparse.ArgumentParser:
         f"Records of other runs move to {SUPERSEDED}",
     )
     return add_common(p, "<timestamp>")
+
+
+def add_timing(p: argparse.ArgumentParser) -> None:
+    """--timing-rounds and --timing-block."""
+    p.add_argument(
+        "--timing-rounds",
+        type=positive_int,
+        default=ROUNDS,
+        metavar="N",
+        help=f"timed blocks per cell in the timing pass (default: {ROUNDS})",
+    )
+    p.add_argument(
+        "--timing-block",
+        type=positive_int,
+        default=BLOCK,
+        metavar="N",
+        help="training steps per timed block; keep it a multiple of the optimizers' T "
+        f"(default: {BLOCK})",
+    )
+
+
+def timing_parser() -> argparse.ArgumentParser:
+    """The parser of ``singd-harness timing``."""
+    p = argparse.ArgumentParser(
+        prog="singd-harness timing",
+        description="Time the cells of a recorded grid in one process, one thread, the "
+        "cells interleaved (its first seed's configuration of each cell), write "
+        "timing.json and rebuild report.md and results.json with those times.",
+    )
+    p.add_argument("folder", type=Path, help="the output folder of a grid")
+    add_timing(p)
+    p.add_argument(
+        "--device",
+        type=device_arg,
+        default="auto",
+        help="auto (CUDA when available, else CPU), cpu, cuda or cuda:N",
+    )
+    return p
 
 
 def tune_parser() -> argparse.ArgumentParser:
@@ -551,15 +609,19 @@ def report_markdown(meta: dict, table_cells: dict, settings: dict, tasks: list[s
         "",
         f"Seeds per cell: {len(seeds)} ({', '.join(map(str, seeds))}). Numbers are mean ± "
         "sample standard deviation over the seeds that stayed finite; 'failed seeds' counts "
-        "the others (non-finite, error, or diverged). Time to target: training seconds "
-        "(evaluations excluded) and steps until the held-out loss first reaches AdamW's "
-        "fp32 final held-out loss (mean over its seeds; in a grid without fp32 AdamW, "
-        "that of its first model precision), checked at every evaluation "
-        f"({meta['evaluations']} per run); median over seeds, 'not reached' when the median "
-        "seed does not reach it, (k/n) when only k seeds do; 'time vs AdamW' divides by "
-        "AdamW's own median time in the same model precision (fp32 where AdamW does not "
-        "run, bf16-pure-sr).",
+        "the others (non-finite, error, or diverged). Steps to target: the steps until the "
+        "held-out loss first reaches AdamW's fp32 final held-out loss (mean over its seeds; "
+        "in a grid without fp32 AdamW, that of its first model precision), checked at every "
+        f"evaluation ({meta['evaluations']} per run); median over seeds, 'not reached' when "
+        "the median seed does not reach it, (k/n) when only k seeds do. Seconds to target: "
+        "those steps x the step time; 'time vs AdamW' divides by AdamW's own in the same "
+        "model precision (fp32 where AdamW does not run, bf16-pure-sr).",
         "",
+        "## How the times were taken",
+        "",
+        times_note(meta),
+        "",
+        *([meta["scope"], ""] if meta.get("scope") else []),
         "## Settings",
         "",
     ]
@@ -606,7 +668,7 @@ def report_markdown(meta: dict, table_cells: dict, settings: dict, tasks: list[s
             f"{task}:",
             "",
             markdown_table(
-                ["optimizer", "fp32 factors MiB", "bf16 factors MiB"],
+                ["optimizer", "fp32 factors (or none) MiB", "bf16 factors MiB"],
                 memory_rows(task, table_cells),
             ),
             "",
@@ -616,6 +678,37 @@ def report_markdown(meta: dict, table_cells: dict, settings: dict, tasks: list[s
 
 
 TASKS_DESCRIPTIONS: dict[str, str] = {}
+
+
+def times_note(meta: dict) -> str:
+    """Where the report's times come from, with the timing pass's settings and its
+    wall-clock/CPU agreement, or the warning that they are the parallel grid's."""
+    timing = meta.get("timing")
+    if not timing:
+        return (
+            f"Times: the grid's own step times, measured with {meta['workers']} worker(s) "
+            "running side by side and whatever else shared the machine (columns labelled "
+            "'parallel grid'): rough; `singd-harness timing FOLDER` re-times the cells."
+        )
+    clock = "process CPU time" if timing["clock"] == "cpu" else "wall clock"
+    ratio = timing.get("wall_over_clock")
+    agreement = (
+        f"wall clock / {clock} per step: {ratio:.2f} (median over the cells; about 1 "
+        "when nothing else competed for the core)"
+        if ratio and timing["clock"] == "cpu"
+        else ""
+    )
+    return (
+        f"Times (columns labelled 'timed'): from the timing pass of {timing['created']}, "
+        "in one process with one thread, nothing else of the harness running: each cell's first "
+        f"seed, a {timing['warmup_steps']}-step warm-up, then {timing['rounds']} rounds of "
+        f"{timing['block']} steps, the cells interleaved; a round's time is its mean per "
+        f"step by the {clock}; shown as median [min–max] over the rounds. 'time vs AdamW' "
+        "multiplies the steps ratio by the round-by-round step-time ratio. "
+        + (agreement + ". " if agreement else "")
+        + f"The pass took {timing['elapsed_s']:.0f} s. The grid's own step times "
+        "(`median_step_ms` in runs.jsonl) ran beside other runs and are not used here."
+    )
 
 
 def fmt_value(value) -> str:
@@ -689,6 +782,8 @@ def run_train(argv: list[str]) -> Path:
     new, elapsed = run_specs(todo, args, out) if todo else ([], 0.0)
     done = {**recorded, **{r.spec: r for r in new}}
     results = [done[s] for s in specs]
+    if not args.no_timing:
+        run_timing_pass(specs, args.device, args.timing_rounds, args.timing_block, out)
     meta = {
         "command": command_line("", argv),
         "created": datetime.now().isoformat(timespec="seconds"),
@@ -715,8 +810,84 @@ def run_train(argv: list[str]) -> Path:
     }
     settings_json = {f"{t}/{label}": [hp, source] for (t, label), (hp, source) in settings.items()}
     meta["settings"] = settings_json
+    if args.full:
+        meta["scope"] = "`--full`: every task, optimizer, structure and precision."
+    elif argv_is_default(args):
+        meta["scope"] = DEFAULT_SCOPE.format(
+            steps=", ".join(f"{t} {n} steps" for t, n in steps.items()),
+            full=", ".join(f"{t} {n}" for t, n in DEFAULT_STEPS.items()),
+        )
     write_report(out, meta, results)
     return out
+
+
+def argv_is_default(args: argparse.Namespace) -> bool:
+    """Whether the grid is the default one (no option changed what runs)."""
+    keys = ("tasks", "optimizers", "structures", "precisions", "factors", "seeds", "steps")
+    chosen = args.full or args.lr or args.set
+    return not chosen and all(getattr(args, k) is None for k in keys)
+
+
+#: The timing pass's record in an output folder (read by ``report``).
+TIMING_FILE = "timing.json"
+
+
+def run_timing_pass(
+    specs: list[RunSpec], device: torch.device, rounds: int, block: int, out: Path
+) -> dict:
+    """Time one configuration per cell of ``specs`` (:func:`.timing.time_cells`) and
+    write ``timing.json``; returns its content."""
+    keys = list(dict.fromkeys(s.cell for s in specs))
+    say(
+        f"timing pass: {len(keys)} cells x {rounds} rounds of {block} steps (after a "
+        f"{block}-step warm-up), one process, one thread, cells interleaved"
+    )
+    started = time.perf_counter()
+    tasks = {name: TASKS[name]() for name in dict.fromkeys(s.task for s in specs)}
+    timings = time_cells(
+        specs,
+        tasks,
+        device,
+        rounds,
+        block,
+        on_round=lambda r: say(
+            f"  timing round {r + 1}/{rounds} done | elapsed "
+            f"{_clock(time.perf_counter() - started)}"
+        ),
+    )
+    payload = {
+        "schema": SCHEMA + ":timing",
+        "created": datetime.now().isoformat(timespec="seconds"),
+        "device": str(device),
+        "clock": next(iter(timings.values())).clock if timings else None,
+        "rounds": rounds,
+        "block": block,
+        "warmup_steps": block,
+        "threads": 1,
+        "elapsed_s": time.perf_counter() - started,
+        "wall_over_clock": agreement(timings),
+        "cells": [t.record() for t in timings.values()],
+    }
+    (out / TIMING_FILE).write_text(json.dumps(payload, indent=1))
+    failed = [t for t in timings.values() if t.error]
+    say(
+        f"timing pass: {payload['elapsed_s']:.0f} s; wall/CPU time per step "
+        + (f"{payload['wall_over_clock']:.2f}" if payload["wall_over_clock"] else "—")
+        + " (about 1: nothing else competed)"
+        + (f"; {len(failed)} cell(s) without a time (non-finite or error)" if failed else "")
+    )
+    return payload
+
+
+def load_timing(out: Path) -> dict | None:
+    """The ``timing.json`` of an output folder, or None."""
+    path = out / TIMING_FILE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def timing_summary(payload: dict | None) -> dict | None:
+    """``timing.json`` without its cells, as results.json and the report carry it."""
+    return None if payload is None else {k: v for k, v in payload.items() if k != "cells"}
 
 
 #: Where ``--resume`` moves the records of ``runs.jsonl`` that are not runs of its grid.
@@ -772,9 +943,16 @@ def resume(out: Path, specs: list[RunSpec]) -> dict[RunSpec, RunResult]:
 
 
 def write_report(out: Path, meta: dict, results: list[RunResult]) -> None:
-    """results.json, report.md and the plots of a finished (or partial) grid, and the
-    tables on the terminal, ending with the report's path."""
-    table_cells = cells(results)
+    """results.json, report.md and the plots of a finished (or partial) grid, with the
+    times of its timing pass (``timing.json``) where there is one, and the tables on the
+    terminal, ending with the report's path."""
+    payload = load_timing(out)
+    timings = {}
+    if payload is not None:
+        timings = {t.key: t for t in map(Timing.from_record, payload["cells"])}
+    meta = {**meta, "timing": timing_summary(payload)}
+    table_cells = cells(results, timings)
+    timed = is_timed(table_cells)
     tasks = list(dict.fromkeys(r.spec.task for r in results))
     for name in tasks:
         TASKS_DESCRIPTIONS[name] = TASKS[name]().description
@@ -791,14 +969,16 @@ def write_report(out: Path, meta: dict, results: list[RunResult]) -> None:
     plot_memory(out / "memory.png", table_cells)
     (out / "report.md").write_text(report_markdown(meta, table_cells, settings, tasks))
     for name in tasks:
-        rows = [cell_row(c) for k, c in table_cells.items() if k[0] == name]
+        rows = [cell_row(c, timed) for k, c in table_cells.items() if k[0] == name]
         say()
         say(f"{name}: {TASKS_DESCRIPTIONS[name]}, {meta['config']['steps'][name]} steps")
-        say(text_table(HEADERS, rows))
+        say(text_table(headers(timed), rows))
+    say()
+    say(times_note(meta))
     say()
     say(
         f"{len(results)} runs in {meta['elapsed_s']:.0f} s. Report: {out / 'report.md'} "
-        "(results.json, runs.jsonl, curves_*.png, time_to_target.png, memory.png)"
+        "(results.json, runs.jsonl, timing.json, curves_*.png, time_to_target.png, memory.png)"
     )
 
 
@@ -819,7 +999,8 @@ def run_report(argv: list[str]) -> Path:
     done = out / "results.json"
     if done.exists():
         payload = json.loads(done.read_text())
-        meta = {k: v for k, v in payload.items() if k not in ("schema", "cells", "runs")}
+        skip = ("schema", "cells", "runs", "timing")
+        meta = {k: v for k, v in payload.items() if k not in skip}
         records = payload["runs"]
         meta.setdefault("run_count", len(records))
     else:
@@ -827,6 +1008,19 @@ def run_report(argv: list[str]) -> Path:
         meta = partial_meta(records)
     write_report(out, meta, [result_from_record(r) for r in records])
     return out
+
+
+def run_timing(argv: list[str]) -> Path:
+    """Time the cells of a recorded grid and rebuild its report with those times."""
+    args = timing_parser().parse_args(argv)
+    done = args.folder / "results.json"
+    if done.exists():
+        records = json.loads(done.read_text())["runs"]
+    else:
+        records = read_runs(args.folder / "runs.jsonl")
+    specs = [result_from_record(r).spec for r in records]
+    run_timing_pass(specs, args.device, args.timing_rounds, args.timing_block, args.folder)
+    return run_report([str(args.folder)])
 
 
 def partial_meta(records: list[dict]) -> dict:
@@ -926,6 +1120,8 @@ def main(argv: list[str] | None = None) -> int:
         run_tune(argv[1:])
     elif argv[:1] == ["report"]:
         run_report(argv[1:])
+    elif argv[:1] == ["timing"]:
+        run_timing(argv[1:])
     elif argv[:1] == ["ablate"]:
         from .ablate import run_ablate
 

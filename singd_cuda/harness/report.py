@@ -1,6 +1,13 @@
 """Summaries of a grid: cells over seeds, verdicts, time-to-target, the Markdown report,
 the JSON and the PNG plots.
 
+Times: with a timing pass (:mod:`.timing`, the default), the report's step times, seconds
+to target and time against AdamW come from it, labelled "timed", each as median
+[min–max] over its rounds. Without one (``--no-timing``, older records) they come from the
+grid's own step times, measured while other runs shared the machine, and are labelled
+"parallel grid": rough. ``results.json`` keeps both; its ``median_step_ms``,
+``seconds_to_target`` and ``time_vs_adamw`` are always the parallel grid's.
+
 Runs that differ only in the seed form one cell, keyed (task, optimizer label, model
 precision, factor precision). Numbers are means ± sample standard deviations over the
 seeds that stayed finite; failed seeds (non-finite, error, diverged) are counted, never
@@ -23,6 +30,7 @@ from matplotlib.figure import Figure
 from .precision import NO_FACTORS
 from .runner import RunResult
 from .stats import Summary, median_or_none, summarize, verdict
+from .timing import Timing, paired_ratios
 
 MIB = 2**20
 SCHEMA = "singd_cuda.harness/2"
@@ -39,6 +47,7 @@ class Cell:
     target: float | None = None  # AdamW's final held-out loss (mean over seeds): fp32's,
     # or, in a grid without fp32 AdamW, that of AdamW's first precision in the grid
     reference: Cell | None = None  # AdamW's cell in the same precision (else fp32)
+    timing: Timing | None = None  # from the timing pass, if one ran
 
     @property
     def failed(self) -> int:
@@ -82,15 +91,31 @@ class Cell:
 
     @property
     def step_ms(self) -> float | None:
+        """Median step time of the grid's runs (parallel grid: beside other runs)."""
         times = [t for r in self.runs for t in r.step_ms]
         return statistics.median(times) if times else None
 
+    def timed_step(self) -> tuple[float, float, float] | None:
+        """(median, min, max) ms per step from the timing pass, or None."""
+        return self.timing.spread() if self.timing is not None else None
 
-def cells(results: list[RunResult]) -> dict[tuple[str, str, str, str], Cell]:
+    def timed_seconds(self) -> tuple[float, float, float] | None:
+        """Median steps to target x the timed (median, min, max) step time, in seconds."""
+        steps, _, _ = self.reach()
+        spread = self.timed_step()
+        if steps is None or spread is None:
+            return None
+        return tuple(steps * ms / 1e3 for ms in spread)
+
+
+def cells(
+    results: list[RunResult], timings: dict[tuple, Timing] | None = None
+) -> dict[tuple[str, str, str, str], Cell]:
     """Cell key -> Cell in grid order, linked to their fp32 cell (without the fp32 model in
-    the grid: their cell at the grid's first precision, fp32 factors), their AdamW reference
-    and the task's target loss (AdamW's fp32 cell's, else its first cell's: a grid of
-    bf16 autocast alone still has a target)."""
+    the grid: their cell at the grid's first precision, fp32 factors), their AdamW reference,
+    the task's target loss (AdamW's fp32 cell's, else its first cell's: a grid of
+    bf16 autocast alone still has a target) and their entry of ``timings`` (the timing
+    pass), if any."""
     grouped: dict[tuple, list[RunResult]] = defaultdict(list)
     for r in results:
         grouped[r.spec.cell].append(r)
@@ -110,6 +135,7 @@ def cells(results: list[RunResult]) -> dict[tuple[str, str, str, str], Cell]:
         cell.reference = table.get((task, REFERENCE, precision, NO_FACTORS), base)
         if base is not None and base.loss is not None:
             cell.target = base.loss.mean
+        cell.timing = (timings or {}).get(cell.key)
     return table
 
 
@@ -132,8 +158,31 @@ def fmt_ratio(value: float | None) -> str:
     return f"{value:.2f}x"
 
 
+def fmt_spread(spread: tuple[float, float, float] | None, fmt: str, unit: str = "") -> str:
+    """ "1.23 [1.10–1.40]" (median [min–max]), or "—"."""
+    if spread is None:
+        return "—"
+    mid, low, high = (format(v, fmt) + unit for v in spread)
+    return f"{mid} [{low}–{high}]"
+
+
+def timed_ratio(cell: Cell) -> tuple[float, float, float] | None:
+    """(median, min, max) over the timing rounds of the cell's time to target over its
+    AdamW reference's: steps-to-target ratio x the round's step-time ratio (both cells
+    timed in the same round), or None."""
+    ref = cell.reference
+    if ref is None or cell.timing is None or ref.timing is None:
+        return None
+    steps, ref_steps = cell.reach()[0], ref.reach()[0]
+    if steps is None or not ref_steps:
+        return None
+    ratios = [steps / ref_steps * r for r in paired_ratios(cell.timing, ref.timing)]
+    return (statistics.median(ratios), min(ratios), max(ratios)) if ratios else None
+
+
 def time_ratio(cell: Cell) -> float | None:
-    """The cell's median seconds to target over its AdamW reference's."""
+    """The cell's median seconds to target over its AdamW reference's, both from the
+    grid's own step times (parallel grid)."""
     _, seconds, _ = cell.reach()
     if cell.reference is None or seconds is None:
         return None
@@ -141,24 +190,36 @@ def time_ratio(cell: Cell) -> float | None:
     return seconds / ref_seconds if ref_seconds else None
 
 
-HEADERS = (
-    "optimizer",
-    "precision",
-    "factors",
-    "held-out loss",
-    "test acc %",
-    "failed seeds",
-    "vs fp32",
-    "steps to target",
-    "s to target",
-    "time vs AdamW",
-    "state MiB",
-    "step ms",
-)
+TIMED, PARALLEL = "timed", "parallel grid"
 
 
-def cell_row(cell: Cell) -> list[str]:
-    """One table row of ``cell`` (columns :data:`HEADERS`)."""
+def headers(timed: bool) -> tuple[str, ...]:
+    """The table's columns; the time columns say where their times come from."""
+    how = TIMED if timed else PARALLEL
+    return (
+        "optimizer",
+        "precision",
+        "factors",
+        "held-out loss",
+        "test acc %",
+        "failed seeds",
+        "vs fp32",
+        "steps to target",
+        f"s to target ({how})",
+        f"time vs AdamW ({how})",
+        "state MiB",
+        f"step ms ({how})",
+    )
+
+
+def is_timed(table_cells: dict) -> bool:
+    """Whether the grid's times come from a timing pass."""
+    return any(c.timing is not None for c in table_cells.values())
+
+
+def cell_row(cell: Cell, timed: bool = False) -> list[str]:
+    """One table row of ``cell`` (columns :func:`headers`): with ``timed``, the times of
+    the timing pass as median [min–max]; else the parallel grid's medians."""
     _, label, precision, factor = cell.key
     steps, seconds, reached = cell.reach()
     n = len(cell.runs)
@@ -172,6 +233,25 @@ def cell_row(cell: Cell) -> list[str]:
         cell.failures or f"0/{n}",
         cell.verdict,
         ("not reached" if steps is None else f"{steps:.0f}") + reach_note,
+        *(timed_columns(cell) if timed else parallel_columns(cell, seconds)),
+    ]
+
+
+def timed_columns(cell: Cell) -> list[str]:
+    """s to target, time vs AdamW, state MiB and step ms with the timing pass's times."""
+    seconds = cell.timed_seconds()
+    step = "—" if cell.timing is None or cell.timing.error else fmt_spread(cell.timed_step(), ".2f")
+    return [
+        "not reached" if cell.reach()[0] is None else fmt_spread(seconds, ".2f"),
+        fmt_spread(timed_ratio(cell), ".2f", "x"),
+        f"{cell.state_mib:.3f}",
+        step,
+    ]
+
+
+def parallel_columns(cell: Cell, seconds: float | None) -> list[str]:
+    """The same columns from the grid's own (parallel, noisy) step times."""
+    return [
         fmt_seconds(seconds),
         fmt_ratio(time_ratio(cell)),
         f"{cell.state_mib:.3f}",
@@ -188,8 +268,9 @@ def markdown_table(headers: list[str] | tuple[str, ...], rows: list[list[str]]) 
 
 def task_table(task: str, table_cells: dict) -> str:
     """The Markdown table of one task: one row per cell."""
-    rows = [cell_row(c) for key, c in table_cells.items() if key[0] == task]
-    return markdown_table(HEADERS, rows)
+    timed = is_timed(table_cells)
+    rows = [cell_row(c, timed) for key, c in table_cells.items() if key[0] == task]
+    return markdown_table(headers(timed), rows)
 
 
 def text_table(headers, rows: list[list[str]]) -> str:
@@ -234,7 +315,10 @@ def run_record(r: RunResult) -> dict:
 
 
 def cell_record(cell: Cell) -> dict:
-    """The JSON summary of one cell."""
+    """The JSON summary of one cell. ``median_step_ms``, ``seconds_to_target`` and
+    ``time_vs_adamw`` come from the grid's own step times (parallel grid, noisy); the
+    ``timed_*`` values, [median, min, max] over the rounds, from the timing pass (None
+    without one, or where the cell has no time: ``timing_error``)."""
     task, label, precision, factor = cell.key
     steps, seconds, reached = cell.reach()
     loss, acc = cell.loss, cell.accuracy
@@ -258,6 +342,10 @@ def cell_record(cell: Cell) -> dict:
         "time_vs_adamw": time_ratio(cell),
         "state_mib": cell.state_mib,
         "median_step_ms": cell.step_ms,
+        "timed_step_ms": cell.timed_step(),
+        "timed_seconds_to_target": cell.timed_seconds(),
+        "timed_time_vs_adamw": timed_ratio(cell),
+        "timing_error": cell.timing.error if cell.timing is not None else None,
     }
 
 
@@ -358,9 +446,12 @@ def plot_curves(path: Path, task: str, table_cells: dict) -> Figure:
     return fig
 
 
-def plot_time_to_target(path: Path, table_cells: dict) -> None:
-    """``time_to_target.png``: median training seconds to AdamW's fp32 final held-out
-    loss per cell, one panel per task; "not reached" written where it was not."""
+def plot_time_to_target(path: Path, table_cells: dict) -> Figure:
+    """``time_to_target.png``: training seconds to AdamW's fp32 final held-out loss per
+    cell, one panel per task; "not reached" written where it was not. With a timing pass
+    its times (median steps x timed step time, whiskers min..max over the rounds), else
+    the parallel grid's (no whiskers); the axis label says which. Returns the figure."""
+    timed = is_timed(table_cells)
     tasks = list(dict.fromkeys(k[0] for k in table_cells))
     rows = max(len([k for k in table_cells if k[0] == t]) for t in tasks)
     fig = Figure(figsize=(8, 0.22 * rows * len(tasks) + 1.2 * len(tasks)), layout="constrained")
@@ -368,57 +459,87 @@ def plot_time_to_target(path: Path, table_cells: dict) -> None:
     for ax, task in zip(axes, tasks, strict=True):
         mine = [c for k, c in table_cells.items() if k[0] == task]
         names = [f"{c.key[1]} {c.key[2]}/{c.key[3]}" for c in mine]
-        seconds = [c.reach()[1] for c in mine]
-        reached = [s for s in seconds if s is not None]
+        if timed:
+            spreads = [c.timed_seconds() for c in mine]
+        else:
+            spreads = [(s, s, s) if s is not None else None for s in (c.reach()[1] for c in mine)]
+        seconds = [s[0] if s else None for s in spreads]
+        reached = [s[2] for s in spreads if s is not None]
         top = max(reached) * 1.15 if reached else 1.0
         ys = range(len(mine))
         optimizers = list(dict.fromkeys(c.key[1] for c in mine))
         colors = [f"C{optimizers.index(c.key[1]) % 10}" for c in mine]
-        ax.barh(ys, [s if s is not None else 0.0 for s in seconds], color=colors)
+        whiskers = np.array([[s[0] - s[1], s[2] - s[0]] if s else [0.0, 0.0] for s in spreads])
+        ax.barh(
+            ys,
+            [s if s is not None else 0.0 for s in seconds],
+            color=colors,
+            xerr=whiskers.T if timed else None,
+            error_kw={"lw": 0.8, "capsize": 2},
+        )
         for y, s in zip(ys, seconds, strict=True):
             if s is None:
                 ax.text(top * 0.01, y, "not reached", va="center", fontsize=6, color="red")
         ax.set_yticks(list(ys), names, fontsize=6)
         ax.invert_yaxis()
         ax.set_xlim(0, top)
-        ax.set_xlabel("training seconds to AdamW's fp32 final held-out loss (median over seeds)")
+        ax.set_xlabel(
+            "seconds to AdamW's final held-out loss: median steps x "
+            + (
+                "step time of the timing pass (whiskers: min..max)"
+                if timed
+                else "step time in the parallel grid (noisy)"
+            ),
+            fontsize=7,
+        )
         ax.set_title(task, fontsize=9)
         ax.grid(axis="x", alpha=0.3)
     fig.savefig(path, dpi=100)
+    return fig
 
 
-def plot_memory(path: Path, table_cells: dict) -> None:
-    """``memory.png``: optimizer-state MiB per optimizer/structure and factor dtype
-    (fp32 model), one panel per task."""
+def plot_memory(path: Path, table_cells: dict) -> Figure:
+    """``memory.png``: optimizer-state MiB per optimizer/structure (fp32 model), one panel
+    per task: a bar per factor dtype for optimizers with factors, one "no factors" bar for
+    the others (AdamW, the peers). Returns the figure."""
     tasks = list(dict.fromkeys(k[0] for k in table_cells))
     fig = Figure(figsize=(9, 3.2 * len(tasks)), layout="constrained")
     axes = fig.subplots(len(tasks), 1, squeeze=False)[:, 0]
+    series = (("fp32 factors", 1, -0.2), ("bf16 factors", 2, 0.2), ("no factors", 1, 0.0))
     for ax, task in zip(axes, tasks, strict=True):
         rows = memory_rows(task, table_cells)
-        labels = [r[0] for r in rows]
-        for j, (name, index) in enumerate((("fp32 factors", 1), ("bf16 factors", 2))):
-            values = [float(r[index]) if r[index] != "—" else 0.0 for r in rows]
-            ax.bar([i + 0.4 * j for i in range(len(rows))], values, 0.4, label=name)
-        ax.set_xticks(
-            [i + 0.2 for i in range(len(rows))], labels, rotation=30, ha="right", fontsize=7
-        )
+        plain = {label for (t, label, _, factor) in table_cells if factor == NO_FACTORS}
+        for name, index, offset in series:
+            xs, values = [], []
+            for i, row in enumerate(rows):
+                if (row[0] in plain) == (name == "no factors") and row[index] != "—":
+                    xs.append(i + offset)
+                    values.append(float(row[index]))
+            if xs:
+                color = "0.6" if name == "no factors" else None
+                ax.bar(xs, values, 0.4, label=name, color=color)
+        ax.set_xticks(range(len(rows)), [r[0] for r in rows], rotation=30, ha="right", fontsize=7)
         ax.set_ylabel("optimizer state MiB")
         ax.set_title(f"{task}: optimizer-state memory", fontsize=9)
         ax.legend(fontsize=7)
         ax.grid(axis="y", alpha=0.3)
     fig.savefig(path, dpi=100)
+    return fig
 
 
 def memory_rows(task: str, table_cells: dict) -> list[list[str]]:
     """[label, MiB with fp32 factors, MiB with bf16 factors] per optimizer label, from
-    the cells with the fp32 model (AdamW: its state in both columns)."""
+    the cells with the fp32 model; an optimizer without factors (AdamW) has its state in
+    the first column and "—" in the second."""
     rows = []
     for label in dict.fromkeys(k[1] for k in table_cells if k[0] == task):
+        plain = table_cells.get((task, label, "fp32", NO_FACTORS))
+        if plain is not None:
+            rows.append([label, f"{plain.state_mib:.3f}", "—"])
+            continue
         row = [label]
         for factor in ("fp32", "bf16"):
-            cell = table_cells.get((task, label, "fp32", factor)) or table_cells.get(
-                (task, label, "fp32", NO_FACTORS)
-            )
+            cell = table_cells.get((task, label, "fp32", factor))
             row.append("—" if cell is None else f"{cell.state_mib:.3f}")
         rows.append(row)
     return rows

@@ -142,6 +142,40 @@ def _evaluate(
     return loss, (task.accuracy(logits, target) if loss is not None else None)
 
 
+def build_optimizer(task: Task, spec: RunSpec, model: torch.nn.Module, scaler):
+    """The optimizer of ``spec`` for ``model`` (already in the spec's model precision)."""
+    return spec.optimizer.build(
+        model,
+        dict(spec.hparams),
+        FACTOR_DTYPES.get(spec.factor),
+        PRECISIONS[spec.precision].stochastic_rounding,
+        scaler,
+        task.loss_average,
+    )
+
+
+def training_step(
+    task: Task, precision: Precision, model: torch.nn.Module, optimizer, scaler, x, y
+) -> float | None:
+    """One training step: forward under the precision's autocast, then, if the loss is
+    finite, backward and the optimizer step (through ``scaler`` when there is one).
+    Returns the loss, or None (and no step taken) when it is not finite."""
+    optimizer.zero_grad(set_to_none=True)
+    with precision.autocast(x.device):
+        loss = task.loss(model(x), y)
+    value = _finite(loss)
+    if value is None:
+        return None
+    if scaler is None:
+        loss.backward()
+        optimizer.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    return value
+
+
 def train(
     task: Task,
     spec: RunSpec,
@@ -170,14 +204,7 @@ def train(
         return loss is not None
 
     try:
-        optimizer = spec.optimizer.build(
-            model,
-            dict(spec.hparams),
-            FACTOR_DTYPES.get(spec.factor),
-            precision.stochastic_rounding,
-            scaler,
-            task.loss_average,
-        )
+        optimizer = build_optimizer(task, spec, model, scaler)
         if not evaluate(0):
             result.wall_s = time.perf_counter() - started
             return result
@@ -186,20 +213,10 @@ def train(
             x = precision.cast_input(task.train_x[idx].to(device))
             y = task.train_y[idx].to(device)
             start = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            with precision.autocast(device):
-                loss = task.loss(model(x), y)
-            result.train_loss.append(_finite(loss))
+            result.train_loss.append(training_step(task, precision, model, optimizer, scaler, x, y))
             if result.train_loss[-1] is None:
                 result.first_nonfinite_step = step
                 break
-            if scaler is None:
-                loss.backward()
-                optimizer.step()
-            else:
-                scaler.scale(loss).backward()
-                scaler.step(optimizer)
-                scaler.update()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             elapsed = time.perf_counter() - start

@@ -44,3 +44,16 @@ def test_evidence_page_has_the_markers():
     assert "<!-- harness-headline -->" in page
     assert "<!-- harness-tables -->" in page
     assert "<!-- harness-peers -->" in page
+
+
+def test_record_time_columns_say_where_their_times_come_from():
+    """A record re-timed by a timing pass shows "(timed)" time columns; any other
+    "(parallel grid)", never an unlabelled time column."""
+    hooks = _hooks()
+    for folder in hooks.run_folders():
+        record = hooks.load(folder)
+        section = hooks.run_section(folder)
+        timed = "timing" in record and record["timing"]
+        assert ("| time vs AdamW (timed) |" in section) == bool(timed), folder
+        assert ("| time vs AdamW (parallel grid) |" in section) != bool(timed), folder
+        assert "| time vs AdamW |" not in section and "| step ms |" not in section

@@ -53,6 +53,7 @@ def tiny_grid(tmp_path_factory):
     argv = ["--tasks", "mnist1d_mlp", "--optimizers", "adamw", "singd"]
     argv += ["--structures", "diagonal", "--precisions", "fp32", "bf16-pure-sr"]
     argv += ["--steps", "2", "--seeds", "0", "1", "--workers", "1"]
+    argv += ["--timing-rounds", "2", "--timing-block", "2"]
     argv += ["--device", "cpu", "--out", str(out)]
     return out, argv
 
@@ -69,9 +70,15 @@ def test_tiny_grid_report_json_and_plots(tiny_grid, capsys):
     report = (out / "report.md").read_text()
     for needle in ("## Verdict rule", "standard errors", "## Time to target", "paper: MLP", "68"):
         assert needle in report, needle
+    assert "2 rounds of 2 steps" in report and "| s to target (timed) |" in report
+    assert "parallel grid" not in report.split("## Settings")[1]  # no untimed time column
+    timing = json.loads((out / "timing.json").read_text())
+    assert timing["threads"] == 1 and timing["clock"] == "cpu"
+    assert [len(c["cpu_ms"]) for c in timing["cells"]] == [2] * 5  # one per cell, 2 rounds
 
     payload = json.loads((out / "results.json").read_text())
     assert payload["schema"] == "singd_cuda.harness/2"
+    assert payload["timing"]["rounds"] == 2 and "cells" not in payload["timing"]
     assert payload["config"]["steps"] == {"mnist1d_mlp": 2}
     # adamw fp32 (no stochastic rounding for AdamW), singd in 2 precisions x 2 factor
     # dtypes; 2 seeds each
@@ -85,6 +92,7 @@ def test_tiny_grid_report_json_and_plots(tiny_grid, capsys):
     for cell in payload["cells"]:
         assert all(key in cell for key in CELL_KEYS)
         assert cell["seeds"] == 2
+        assert cell["timed_step_ms"] is not None or cell["timing_error"]
     lines = (out / "runs.jsonl").read_text().splitlines()
     assert len(lines) == len(payload["runs"])  # written as the runs finished
 
@@ -112,7 +120,7 @@ def test_resume_runs_only_what_is_missing(tmp_path, capsys):
     grid, and the records of other runs move out of runs.jsonl."""
     grid = ["--tasks", "mnist1d_mlp", "--optimizers", "adamw", "singd", "--structures"]
     grid += ["diagonal", "--precisions", "fp32", "--factors", "fp32", "--steps", "2"]
-    grid += ["--seeds", "0", "1", "--workers", "1", "--device", "cpu"]
+    grid += ["--seeds", "0", "1", "--workers", "1", "--device", "cpu", "--no-timing"]
     whole = tmp_path / "whole"
     assert main([*grid, "--out", str(whole)]) == 0
     reference = json.loads((whole / "results.json").read_text())["runs"]
@@ -162,6 +170,55 @@ def test_resume_runs_only_what_is_missing(tmp_path, capsys):
     assert len(json.loads((part / "results.json").read_text())["runs"]) == 4
 
 
+def test_without_timing_the_times_say_parallel_grid_and_timing_retimes(tmp_path, capsys):
+    """--no-timing: the time columns are labelled "parallel grid"; ``timing FOLDER`` then
+    times the recorded cells and rebuilds the report with "timed" columns."""
+    argv = ["--tasks", "mnist1d_mlp", "--optimizers", "adamw", "kfac", "--precisions"]
+    argv += ["fp32", "--factors", "bf16", "--steps", "2", "--seeds", "0", "1", "--workers"]
+    argv += ["1", "--device", "cpu", "--no-timing", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    report = (tmp_path / "report.md").read_text()
+    assert "| s to target (parallel grid) |" in report and "(timed)" not in report
+    assert not (tmp_path / "timing.json").exists()
+    assert main(["timing", str(tmp_path), "--timing-rounds", "2", "--timing-block", "2"]) == 0
+    assert "timing pass: 2 cells x 2 rounds" in capsys.readouterr().out
+    report = (tmp_path / "report.md").read_text()
+    assert "| s to target (timed) |" in report and "(parallel grid)" not in report
+    cells = json.loads((tmp_path / "results.json").read_text())["cells"]
+    assert all(len(c["timed_step_ms"]) == 3 for c in cells)
+
+
+def test_default_grid_is_the_mission():
+    """The default run: the CNN and the character LM; K-FAC, SINGD, AdaFisher and AdamW;
+    fp32, bf16 autocast, fp16 autocast + GradScaler and pure bf16; fp32 and bf16
+    factors; 3 seeds."""
+    from singd_cuda.harness.cli import (
+        argv_is_default,
+        build_specs,
+        expand,
+        grid_values,
+        steps_for,
+        train_parser,
+    )
+
+    args = train_parser().parse_args([])
+    assert argv_is_default(args) and not argv_is_default(train_parser().parse_args(["--full"]))
+    tasks = grid_values(args, "tasks")
+    choices = expand(grid_values(args, "optimizers"), grid_values(args, "structures"))
+    specs, _ = build_specs(args, tasks, choices, steps_for(args, tasks, quick=True))
+    cells = {s.cell for s in specs}
+    assert {c[0] for c in cells} == {"mnist1d_cnn", "lm"}
+    assert {c[1] for c in cells} == {"adamw", "kfac", "adafisher", "singd:block_diagonal:32"}
+    precisions = {"fp32", "bf16-amp", "fp16-amp", "bf16-pure"}
+    for task in ("mnist1d_cnn", "lm"):
+        for precision in precisions:
+            assert (task, "adamw", precision, "-") in cells
+            for factor in ("fp32", "bf16"):
+                assert (task, "kfac", precision, factor) in cells
+    assert {c[2] for c in cells} == precisions
+    assert len(specs) == 3 * len(cells)
+
+
 def test_resume_needs_out(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--tasks", "mnist1d_mlp", "--resume"])
@@ -174,6 +231,7 @@ def test_grid_in_worker_processes(tmp_path, capsys):
     argv = ["--tasks", "mnist1d_mlp", "lm", "--optimizers", "adamw", "singd", "--structures"]
     argv += ["diagonal", "--precisions", "fp32", "--factors", "fp32", "--steps", "2"]
     argv += ["--seeds", "0", "--workers", "2", "--device", "cpu", "--out", str(tmp_path)]
+    argv += ["--no-timing"]
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert "with 2 worker(s)" in text and "[4/4]" in text and "lm:" in text

@@ -6,16 +6,22 @@ from __future__ import annotations
 import math
 
 import pytest
+from matplotlib.container import ErrorbarContainer
 
 from singd_cuda.harness.optimizers import OptimizerChoice
 from singd_cuda.harness.report import (
+    cell_record,
     cell_row,
     cells,
+    headers,
     loss_axis_range,
+    memory_rows,
     plot_curves,
+    plot_memory,
     plot_time_to_target,
 )
 from singd_cuda.harness.runner import RunResult, RunSpec
+from singd_cuda.harness.timing import Timing
 
 STEPS = [0, 10, 20, 30]
 
@@ -123,3 +129,71 @@ def test_verdict_without_fp32_model_is_against_the_first_precision():
     assert table[("t", "singd:diagonal", "bf16-amp", "fp32")].verdict == "reference"
     assert table[("t", "singd:diagonal", "bf16-amp", "fp16")].verdict == "degraded"
     assert table[("t", "singd:diagonal", "fp16-pure", "fp32")].verdict == "same within noise"
+
+
+def timed_grid(grid_runs):
+    """The grid with timing-pass times for AdamW and SINGD fp32 (not the bf16 cell)."""
+    adamw, singd = ("t", "adamw", "fp32", "-"), ("t", "singd:diagonal", "fp32", "fp32")
+    timings = {
+        adamw: Timing(adamw, "cpu", cpu_ms=[1.0, 2.0, 1.0], wall_ms=[50.0] * 3),
+        singd: Timing(singd, "cpu", cpu_ms=[2.0, 2.0, 4.0], wall_ms=[50.0] * 3),
+    }
+    return cells(grid_runs, timings)
+
+
+def test_timed_times_replace_the_parallel_grids_and_say_so(grid):
+    """With a timing pass: seconds = median steps x timed step time (median [min–max]
+    over the rounds), time vs AdamW = steps ratio x the round-by-round step-time ratio;
+    the parallel grid's times (1 ms per step here) appear nowhere in the row."""
+    runs = [r for c in grid.values() for r in c.runs]
+    table = timed_grid(runs)
+    singd = table[("t", "singd:diagonal", "fp32", "fp32")]
+    bad = table[("t", "singd:diagonal", "bf16-pure", "bf16")]
+    assert singd.timed_seconds() == pytest.approx((0.04, 0.04, 0.08))  # 20 steps x 2 [2, 4] ms
+    row = cell_row(singd, timed=True)
+    assert row[8] == "0.04 [0.04–0.08]"
+    # steps 20/30, step-time ratios per round 2, 1, 4 -> 1.33 [0.67–2.67]
+    assert row[9] == "1.33x [0.67x–2.67x]" and row[11] == "2.00 [2.00–4.00]"
+    assert cell_row(bad, timed=True)[8:] == ["not reached", "—", f"{bad.state_mib:.3f}", "—"]
+    record = cell_record(singd)
+    assert record["timed_time_vs_adamw"] == pytest.approx((4 / 3, 2 / 3, 8 / 3))
+    assert record["time_vs_adamw"] == pytest.approx(2 / 3)  # the parallel grid's, kept
+    timed, parallel = headers(True), headers(False)
+    assert [h for h in timed if "(" in h] == [
+        "s to target (timed)",
+        "time vs AdamW (timed)",
+        "step ms (timed)",
+    ]
+    assert [h for h in parallel if "(" in h] == [
+        "s to target (parallel grid)",
+        "time vs AdamW (parallel grid)",
+        "step ms (parallel grid)",
+    ]
+
+
+def test_time_to_target_plot_says_where_its_times_come_from(grid, tmp_path):
+    runs = [r for c in grid.values() for r in c.runs]
+    timed = plot_time_to_target(tmp_path / "a.png", timed_grid(runs))
+    parallel = plot_time_to_target(tmp_path / "b.png", grid)
+    assert "timing pass" in timed.axes[0].get_xlabel()
+    assert "parallel grid" in parallel.axes[0].get_xlabel()
+    whiskers = [c for c in timed.axes[0].containers if isinstance(c, ErrorbarContainer)]
+    assert len(whiskers) == 1 and len(whiskers[0].lines[2][0].get_segments()) == 3
+    assert not any(isinstance(c, ErrorbarContainer) for c in parallel.axes[0].containers)
+
+
+def test_memory_plot_has_factor_bars_only_for_optimizers_with_factors(grid, tmp_path):
+    """AdamW (no factors) gets one "no factors" bar, SINGD one bar per factor dtype."""
+    assert memory_rows("t", grid)[0] == [
+        "adamw",
+        f"{grid['t', 'adamw', 'fp32', '-'].state_mib:.3f}",
+        "—",
+    ]
+    fig = plot_memory(tmp_path / "m.png", grid)
+    bars = {c.get_label(): len(c.patches) for c in fig.axes[0].containers}
+    assert bars == {"fp32 factors": 1, "no factors": 1}  # SINGD fp32; no bf16 cell on fp32
+    runs = [r for c in grid.values() for r in c.runs]
+    runs += [fake("singd:diagonal", "fp32", "bf16", s, [2.3, 1.0, 0.7, 0.6]) for s in range(3)]
+    fig = plot_memory(tmp_path / "m.png", cells(runs))
+    bars = {c.get_label(): len(c.patches) for c in fig.axes[0].containers}
+    assert bars == {"fp32 factors": 1, "bf16 factors": 1, "no factors": 1}
