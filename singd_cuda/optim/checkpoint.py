@@ -27,8 +27,8 @@ KIND_KEY = "optimizer"  # state_dict()[KIND_KEY]: the optimizer class name
 LAYER_BUFFERS = {"momentum_buffer": True, "exp_avg": True, "warm_started": False}
 # hyperparameters added since the first checkpoints: key -> the value such a checkpoint
 # behaves as (SINGD's warm start: an old run's factors have started already; batch_dim:
-# automatic, as every run was before it existed)
-ADDED_HYPERPARAMETERS = {"warm_start": True, "batch_dim": None}
+# automatic, as every run was before it existed; kfac_approx: "expand", the only one then)
+ADDED_HYPERPARAMETERS = {"warm_start": True, "batch_dim": None, "kfac_approx": "expand"}
 NORM_STATE = {"momentum_buffer": True, "fisher_diag": True}
 FALLBACK_STATE = {"step": False, "exp_avg": True, "exp_avg_sq": True}
 

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from ..curvature.layers import LOSS_AVERAGES, Layer
+from ..curvature.layers import KFAC_APPROXIMATIONS, LOSS_AVERAGES, Layer
 
 # check(key, value) -> the value to store (normalised), or ValueError naming the fix
 Check = Callable[[str, Any], Any]
@@ -128,6 +128,7 @@ def common_checks() -> dict[str, Check]:
         fallback_weight_decay=number(),
         loss_average=one_of(LOSS_AVERAGES),
         batch_dim=optional_dimension,
+        kfac_approx=one_of(KFAC_APPROXIMATIONS),
         factor_dtype=factor_dtype,
         stochastic_rounding=flag,
         norm_fisher=flag,

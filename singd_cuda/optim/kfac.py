@@ -226,6 +226,10 @@ class KFAC(KroneckerOptimizer):
         batch_dim: the dimension of a layer's output that indexes samples (None, default:
             dimension 0, or 1 inside PyTorch's sequence-first transformer layers, with a
             check that warns once on a mismatch; 1 for sequence-first (T, B, C) code).
+        kfac_approx: ``"expand"`` (default: a row of a and g per position of a layer
+            that shares its weight over positions, tokens or patches) or ``"reduce"``
+            (K-FAC-reduce: a row per sample, the mean of its inputs and the sum of its
+            output gradients; docs/concepts/curvature.md).
         factor_dtype: storage dtype of the factors (None, default: the parameter dtype);
             float64, float32, bfloat16 or float16. Arithmetic accumulates in float32.
         stochastic_rounding: round bf16 parameter writes stochastically (default False).
@@ -269,6 +273,7 @@ class KFAC(KroneckerOptimizer):
         fisher: str = "empirical",
         loss_average: str | None = "batch",
         batch_dim: int | None = None,
+        kfac_approx: str = "expand",
         factor_dtype: torch.dtype | None = None,
         stochastic_rounding: bool = False,
         norm_fisher: bool = False,
@@ -294,6 +299,7 @@ class KFAC(KroneckerOptimizer):
             fisher=fisher,
             loss_average=loss_average,
             batch_dim=batch_dim,
+            kfac_approx=kfac_approx,
             factor_dtype=factor_dtype,
             stochastic_rounding=stochastic_rounding,
             norm_fisher=norm_fisher,

@@ -39,6 +39,10 @@ def _jobs() -> dict[str, dict]:
         jobs[f"ikfac-dense{suffix}"] = dict(
             optimizer="singd", kwargs=_singd("dense", kfac_like=True, distribute_factors=owned)
         )
+        jobs[f"singd-diagonal-reduce{suffix}"] = dict(
+            optimizer="singd",
+            kwargs=_singd("diagonal", kfac_approx="reduce", distribute_factors=owned),
+        )
         jobs[f"singd-f64-norm-fisher{suffix}"] = dict(
             optimizer="singd",
             dtype=sc.F64,
