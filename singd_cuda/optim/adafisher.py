@@ -530,6 +530,7 @@ class AdaFisher(KroneckerOptimizer):
             # the min–max normalised F̃ has a zero entry: only the damping keeps it invertible
             "damping": hp.number(positive=True),
             "decoupled_weight_decay": hp.flag,
+            "graft": hp.no_graft,
         }
 
     def rule_for(self, group: dict) -> LayerRule:

@@ -78,6 +78,7 @@ class KroneckerOptimizer(Optimizer):
         loss_average="batch",
         batch_dim=None,
         kfac_approx="expand",
+        graft=None,
         factor_dtype=None,
         stochastic_rounding=False,
         fallback_lr=None,
@@ -486,6 +487,11 @@ class KroneckerOptimizer(Optimizer):
         if self._shards() is not None and any(g["weight_rescale"] for g in self.param_groups):
             raise NotImplementedError(
                 "weight_rescale=True is not supported with FSDP2-sharded parameters"
+            )
+        if self._shards() is not None and any(g["graft"] for g in self.param_groups):
+            raise NotImplementedError(
+                "graft is not supported with FSDP2-sharded parameters yet (a sharded "
+                "weight's norm needs its rows' partial sums reduced); use graft=None"
             )
         self._finite.reset()
         if found_inf is not None:

@@ -106,6 +106,18 @@ def _jobs() -> dict[str, tuple[str, dict]]:
             kwargs=singd("dense", kfac_approx="reduce", distribute_factors=True),
         ),
     )
+    jobs["singd-dense-graft-distributed-ddp"] = (  # the owner grafts, the others receive
+        "run",
+        dict(
+            optimizer="singd",
+            ddp=True,
+            kwargs=singd("dense", graft="adam", distribute_factors=True),
+        ),
+    )
+    jobs["kfac-graft-replicated-plain"] = (
+        "run",
+        dict(optimizer="kfac", dtype=F64, kwargs=dict(lr=0.05, T=3, graft="rms")),
+    )
     jobs["kfac-reduce-replicated-plain"] = (
         "run",
         dict(optimizer="kfac", dtype=F64, kwargs=dict(lr=0.05, T=3, kfac_approx="reduce")),
