@@ -27,6 +27,7 @@ SUPPORTED_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)  # built-in; see
 """The torch.nn classes preconditioned without registration (subclasses included); Hugging
 Face ``Conv1D`` and registered kinds are supported too: :func:`is_supported` says."""
 LOSS_AVERAGES = ("batch", "batch+sequence", None)
+KFAC_APPROXIMATIONS = ("expand", "reduce")  # rows of a and g: per position, or per sample
 
 
 class LayerKind:
@@ -381,6 +382,43 @@ def grad_output_matrix(layer: Layer, grad: Tensor, dtype) -> Tensor:
     """g: (N, d_C) in ``dtype``, the raw output gradient (the optimizer scales the summed
     statistics by the loss terms of their forwards)."""
     return layer.kind.output_gradients(layer.module, grad.detach().to(dtype))
+
+
+def reduced_input_matrix(
+    layer: Layer, x: Tensor, grad: Tensor, dtype: torch.dtype, batch_dim: int
+) -> Tensor:
+    """K-FAC-reduce's a: (B, d_K) in ``dtype``, one row per sample of the call (B =
+    :func:`samples` of its output gradient ``grad`` along ``batch_dim``): the mean of
+    the sample's rows of :meth:`LayerKind.inputs` (its positions: tokens, patches),
+    ones for the bias, scaled by 1/√B."""
+    rows = layer.kind.inputs(layer.module, x.detach().to(dtype))
+    a = _per_sample(layer, rows, grad, batch_dim, torch.mean)
+    if layer.bias is not None:
+        a = torch.cat([a, a.new_ones(a.shape[0], 1)], dim=1)
+    return a / math.sqrt(max(a.shape[0], 1))
+
+
+def reduced_grad_output_matrix(
+    layer: Layer, grad: Tensor, dtype: torch.dtype, batch_dim: int
+) -> Tensor:
+    """K-FAC-reduce's g: (B, d_C) in ``dtype``, per sample the sum of its rows of
+    :func:`grad_output_matrix` (raw, as there)."""
+    rows = layer.kind.output_gradients(layer.module, grad.detach().to(dtype))
+    return _per_sample(layer, rows, grad, batch_dim, torch.sum)
+
+
+def _per_sample(layer: Layer, rows: Tensor, grad: Tensor, batch_dim: int, reduce) -> Tensor:
+    """``reduce`` (mean or sum) of ``rows`` (N, d) over each sample's rows: (B, d).
+
+    Features-last kinds order their rows as the output's leading dimensions, the batch
+    at ``batch_dim`` (as :func:`samples` counts it); other kinds (Conv2d) sample-major."""
+    batch = samples(layer, grad, batch_dim)
+    if rows.shape[0] == 0 or batch == 0:  # no rows (an empty batch or sequence)
+        return rows.new_zeros(0, rows.shape[-1])
+    lead = grad.shape[:-1]
+    if layer.kind.features_last and len(lead) > batch_dim > 0:
+        rows = rows.reshape(*lead, rows.shape[-1]).movedim(batch_dim, 0)
+    return reduce(rows.reshape(batch, -1, rows.shape[-1]), 1)
 
 
 def input_sum_squares(layer: Layer, x: Tensor, dtype: torch.dtype) -> Tensor:

@@ -14,6 +14,8 @@ output, +1 with a bias; d_C = outputs) and whose other parameters train with Ada
   the factor dtype, plus a momentum buffer per weight and bias in the parameter dtype;
 * K-FAC per layer: 2·(d_K² + d_C²) (A, A⁻¹, G, G⁻¹) in the factor dtype + momentum;
 * AdaFisher per layer: d_K + d_C (the diagonals h, s) in the factor dtype + exp_avg;
+* ``graft="adam"`` (SINGD, IKFAC, K-FAC): one more buffer per weight and bias, the
+  second moment, in the parameter dtype (float32 for float16 parameters);
 * AdamW (and every fallback parameter): exp_avg + exp_avg_sq in the parameter dtype
   (the fallback's in float32 for float16 parameters) and a 4-byte float32 step.
 
@@ -95,10 +97,11 @@ def layer_dims(module: nn.Linear | nn.Conv2d) -> tuple[int, int]:
 
 
 def formula_bytes(
-    model: nn.Module, choice: OptimizerChoice, factor_dtype: torch.dtype
+    model: nn.Module, choice: OptimizerChoice, factor_dtype: torch.dtype, graft: str | None = None
 ) -> int | None:
-    """The analytic optimizer-state bytes of ``choice`` on ``model`` (module docstring);
-    None for the peers (SGD, SOAP, PSGD-Kron, Muon), whose state is only measured."""
+    """The analytic optimizer-state bytes of ``choice`` on ``model`` (module docstring)
+    with the preconditioned layers' ``graft``; None for the peers (SGD, SOAP,
+    PSGD-Kron, Muon), whose state is only measured."""
     if choice.name not in FORMULA_OPTIMIZERS:
         return None
     factor = torch.empty((), dtype=factor_dtype).element_size()
@@ -124,7 +127,12 @@ def formula_bytes(
         else:  # singd / ikfac
             structure = choice.structure or "dense"
             entries = 2 * (structure_entries(structure, d_K) + structure_entries(structure, d_C))
-        total += entries * factor + tensor_bytes(list(module.parameters(recurse=False)))
+        params = list(module.parameters(recurse=False))
+        total += entries * factor + tensor_bytes(params)
+        if graft == "adam":
+            total += sum(
+                p.numel() * (4 if p.dtype == torch.float16 else p.element_size()) for p in params
+            )
     return total
 
 

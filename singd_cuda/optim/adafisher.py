@@ -446,6 +446,10 @@ class AdaFisher(KroneckerOptimizer):
         batch_dim: the dimension of a layer's output that indexes samples (None, default:
             dimension 0, or 1 inside PyTorch's sequence-first transformer layers, with a
             check that warns once on a mismatch; 1 for sequence-first (T, B, C) code).
+        kfac_approx: ``"expand"`` (default: a row of a and g per position of a layer
+            that shares its weight over positions, tokens or patches) or ``"reduce"``
+            (K-FAC-reduce: a row per sample, the mean of its inputs and the sum of its
+            output gradients; docs/concepts/curvature.md).
         factor_dtype: storage dtype of the factors (None, default: the parameter dtype);
             float64, float32, bfloat16 or float16. Arithmetic accumulates in float32.
         stochastic_rounding: round bf16 parameter writes stochastically (default False).
@@ -481,6 +485,7 @@ class AdaFisher(KroneckerOptimizer):
         decoupled_weight_decay: bool = False,
         loss_average: str | None = "batch",
         batch_dim: int | None = None,
+        kfac_approx: str = "expand",
         factor_dtype: torch.dtype | None = None,
         stochastic_rounding: bool = False,
         grad_scaler: torch.amp.GradScaler | None = None,
@@ -500,6 +505,7 @@ class AdaFisher(KroneckerOptimizer):
             decoupled_weight_decay=decoupled_weight_decay,
             loss_average=loss_average,
             batch_dim=batch_dim,
+            kfac_approx=kfac_approx,
             factor_dtype=factor_dtype,
             stochastic_rounding=stochastic_rounding,
         )
@@ -524,6 +530,7 @@ class AdaFisher(KroneckerOptimizer):
             # the min–max normalised F̃ has a zero entry: only the damping keeps it invertible
             "damping": hp.number(positive=True),
             "decoupled_weight_decay": hp.flag,
+            "graft": hp.no_graft,
         }
 
     def rule_for(self, group: dict) -> LayerRule:

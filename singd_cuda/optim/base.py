@@ -40,6 +40,8 @@ from ..curvature.layers import (
     grad_output_sum_squares,
     input_matrix,
     input_sum_squares,
+    reduced_grad_output_matrix,
+    reduced_input_matrix,
     sequence_first_modules,
 )
 from ..curvature.loss_terms import LossTermCounter
@@ -75,6 +77,8 @@ class KroneckerOptimizer(Optimizer):
     common_defaults: ClassVar[dict[str, Any]] = dict(
         loss_average="batch",
         batch_dim=None,
+        kfac_approx="expand",
+        graft=None,
         factor_dtype=None,
         stochastic_rounding=False,
         fallback_lr=None,
@@ -289,21 +293,35 @@ class KroneckerOptimizer(Optimizer):
             return True
         rule = self.rule_for(group)
         device = grad_output.device
+        if group["kfac_approx"] == "reduce":  # one row per sample (docs/concepts/curvature.md)
+            batch_dim = self._counter.norm_batch_dim(layer, group["batch_dim"])
+            a = reduced_input_matrix(layer, layer_input, grad_output, dtype, batch_dim)
+            g = reduced_grad_output_matrix(layer, grad_output, dtype, batch_dim)
+        else:
+            a = g = None
         if rule.diagonal_statistics(group) and not (
             self._sync is not None and self._sync.distribute_factors
         ):
-            if with_input:
-                h = input_sum_squares(layer, layer_input, dtype).mul_(weight)
-            else:
+            if not with_input:
                 h = torch.zeros(layer.dim_in, dtype=dtype, device=device)
-            s = grad_output_sum_squares(layer, grad_output, dtype)
+            elif a is not None:
+                h = a.square().sum(0).mul_(weight)
+            else:
+                h = input_sum_squares(layer, layer_input, dtype).mul_(weight)
+            if g is not None:
+                s = g.square().sum(0)
+            else:
+                s = grad_output_sum_squares(layer, grad_output, dtype)
             rule.accumulate_diagonal(layer, group, self._layer_state(layer, group), into, h, s)
             return True
-        if with_input:
-            a = input_matrix(layer, layer_input, dtype).mul_(math.sqrt(weight))
-        else:  # no rows: the rules add nothing to the input side
+        if not with_input:  # no rows: the rules add nothing to the input side
             a = torch.zeros(0, layer.dim_in, dtype=dtype, device=device)
-        g = grad_output_matrix(layer, grad_output, dtype)
+        elif a is not None:
+            a = a.mul_(math.sqrt(weight))
+        else:
+            a = input_matrix(layer, layer_input, dtype).mul_(math.sqrt(weight))
+        if g is None:
+            g = grad_output_matrix(layer, grad_output, dtype)
         self._accumulate(layer, group, into, a, g)
         return True
 
@@ -470,6 +488,11 @@ class KroneckerOptimizer(Optimizer):
         if self._shards() is not None and any(g["weight_rescale"] for g in self.param_groups):
             raise NotImplementedError(
                 "weight_rescale=True is not supported with FSDP2-sharded parameters"
+            )
+        if self._shards() is not None and any(g["graft"] for g in self.param_groups):
+            raise NotImplementedError(
+                "graft is not supported with FSDP2-sharded parameters yet (a sharded "
+                "weight's norm needs its rows' partial sums reduced); use graft=None"
             )
         self._finite.reset()
         if found_inf is not None:

@@ -24,11 +24,22 @@ KIND_KEY = "optimizer"  # state_dict()[KIND_KEY]: the optimizer class name
 
 # state of a parameter besides a layer's factors: key -> shaped like the parameter?
 # ("warm_started": SINGD's warm-start flag, absent when off and in older checkpoints)
-LAYER_BUFFERS = {"momentum_buffer": True, "exp_avg": True, "warm_started": False}
+LAYER_BUFFERS = {
+    "momentum_buffer": True,
+    "exp_avg": True,
+    "warm_started": False,
+    "graft_sq": True,  # graft="adam": the second moment and its count
+    "graft_step": False,
+}
 # hyperparameters added since the first checkpoints: key -> the value such a checkpoint
 # behaves as (SINGD's warm start: an old run's factors have started already; batch_dim:
-# automatic, as every run was before it existed)
-ADDED_HYPERPARAMETERS = {"warm_start": True, "batch_dim": None}
+# automatic, as every run was before it existed; kfac_approx, graft: what was built then)
+ADDED_HYPERPARAMETERS = {
+    "warm_start": True,
+    "batch_dim": None,
+    "kfac_approx": "expand",
+    "graft": None,
+}
 NORM_STATE = {"momentum_buffer": True, "fisher_diag": True}
 FALLBACK_STATE = {"step": False, "exp_avg": True, "exp_avg_sq": True}
 

@@ -26,7 +26,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from ..curvature.layers import LOSS_AVERAGES, Layer
+from ..curvature.layers import KFAC_APPROXIMATIONS, LOSS_AVERAGES, Layer
+from .graft import GRAFTS
 
 # check(key, value) -> the value to store (normalised), or ValueError naming the fix
 Check = Callable[[str, Any], Any]
@@ -93,6 +94,16 @@ def one_of(options: tuple) -> Check:
     return check
 
 
+def no_graft(key: str, value: Any) -> Any:
+    """None: AdaFisher's fused update takes no graft (yet)."""
+    if value is None:
+        return value
+    raise ValueError(
+        f"{key}={value!r} is not supported by AdaFisher (structures='adafisher') yet: its "
+        "update is one fused pass; use graft=None"
+    )
+
+
 def flag(key: str, value: Any) -> Any:
     if isinstance(value, bool):
         return value
@@ -128,6 +139,8 @@ def common_checks() -> dict[str, Check]:
         fallback_weight_decay=number(),
         loss_average=one_of(LOSS_AVERAGES),
         batch_dim=optional_dimension,
+        kfac_approx=one_of(KFAC_APPROXIMATIONS),
+        graft=one_of(GRAFTS),
         factor_dtype=factor_dtype,
         stochastic_rounding=flag,
         norm_fisher=flag,

@@ -31,6 +31,7 @@ from . import hyperparameters as hp
 from .base import KroneckerOptimizer, checked_fallback
 from .derived import GroupCache
 from .factor_memory import warn_large_factors
+from .graft import graft_
 from .grouped import partition, stacked_gradients
 from .rule import LayerRule, scheduled
 from .scale_out import DEFAULT_BUCKET_CAP_MB
@@ -153,6 +154,7 @@ class KfacRule(LayerRule):
                 params += layer.params
                 directions += split_matrix(layer, natural)
                 param_states += layer_states
+        graft_(params, directions, param_states, group, inv_scale, found_inf)
         sgd_update_(params, directions, param_states, group, seed, found_inf)
 
     def _naturals(self, layers, states, inv_scale) -> list[Tensor]:
@@ -226,6 +228,15 @@ class KFAC(KroneckerOptimizer):
         batch_dim: the dimension of a layer's output that indexes samples (None, default:
             dimension 0, or 1 inside PyTorch's sequence-first transformer layers, with a
             check that warns once on a mismatch; 1 for sequence-first (T, B, C) code).
+        kfac_approx: ``"expand"`` (default: a row of a and g per position of a layer
+            that shares its weight over positions, tokens or patches) or ``"reduce"``
+            (K-FAC-reduce: a row per sample, the mean of its inputs and the sum of its
+            output gradients; docs/concepts/curvature.md).
+        graft: None (default), ``"adam"`` or ``"rms"``: rescale each parameter's
+            preconditioned gradient (before weight decay and momentum) to the norm of
+            Adam's normalised gradient G/(√v̂ + ε) (β₂ and ε of the fallback; one
+            second-moment buffer per parameter) or to RMS 0.2 (Moonlight's rule);
+            :mod:`singd_cuda.optim.graft`.
         factor_dtype: storage dtype of the factors (None, default: the parameter dtype);
             float64, float32, bfloat16 or float16. Arithmetic accumulates in float32.
         stochastic_rounding: round bf16 parameter writes stochastically (default False).
@@ -269,6 +280,8 @@ class KFAC(KroneckerOptimizer):
         fisher: str = "empirical",
         loss_average: str | None = "batch",
         batch_dim: int | None = None,
+        kfac_approx: str = "expand",
+        graft: str | None = None,
         factor_dtype: torch.dtype | None = None,
         stochastic_rounding: bool = False,
         norm_fisher: bool = False,
@@ -294,6 +307,8 @@ class KFAC(KroneckerOptimizer):
             fisher=fisher,
             loss_average=loss_average,
             batch_dim=batch_dim,
+            kfac_approx=kfac_approx,
+            graft=graft,
             factor_dtype=factor_dtype,
             stochastic_rounding=stochastic_rounding,
             norm_fisher=norm_fisher,

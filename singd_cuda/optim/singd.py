@@ -26,6 +26,7 @@ from .adafisher import ADAFISHER, AdaFisherRule, DiagonalBatch, DiagonalViews
 from .base import KroneckerOptimizer, checked_fallback
 from .derived import DerivedCache, GroupCache
 from .factor_memory import warn_large_factors
+from .graft import GRAFTS, graft_
 from .grouped import StackedProduct, partition, stacked_gradients
 from .rule import LayerRule, scheduled
 from .scale_out import DEFAULT_BUCKET_CAP_MB
@@ -151,7 +152,7 @@ class SingdRule(LayerRule):
         """Ĝ = (C Cᵀ) G (K Kᵀ) for every layer, then momentum SGD with weight decay on
         every parameter in one :func:`~singd_cuda.optim.write.sgd_update_` call; layers of
         equal :meth:`group_key` are preconditioned as one stack (:mod:`.grouped`)."""
-        if self._diagonal(group):
+        if self._diagonal(group) and group["graft"] is None:
             self._apply_diagonal(layers, group, states, inv_scale, seed, found_inf)
             return
         params, directions, param_states = [], [], []
@@ -165,6 +166,7 @@ class SingdRule(LayerRule):
                 params += layer.params
                 directions += split_matrix(layer, natural)
                 param_states += layer_states
+        graft_(params, directions, param_states, group, inv_scale, found_inf)
         sgd_update_(params, directions, param_states, group, seed, found_inf)
 
     def _apply_diagonal(self, layers, group, states, inv_scale, seed: int, found_inf) -> None:
@@ -627,6 +629,15 @@ class SINGD(KroneckerOptimizer):
         batch_dim: the dimension of a layer's output that indexes samples (None, default:
             dimension 0, or 1 inside PyTorch's sequence-first transformer layers, with a
             check that warns once on a mismatch; 1 for sequence-first (T, B, C) code).
+        kfac_approx: ``"expand"`` (default: a row of a and g per position of a layer
+            that shares its weight over positions, tokens or patches) or ``"reduce"``
+            (K-FAC-reduce: a row per sample, the mean of its inputs and the sum of its
+            output gradients; docs/concepts/curvature.md).
+        graft: None (default), ``"adam"`` or ``"rms"``: rescale each parameter's
+            preconditioned gradient (before weight decay and momentum) to the norm of
+            Adam's normalised gradient G/(√v̂ + ε) (β₂ and ε of the fallback; one
+            second-moment buffer per parameter) or to RMS 0.2 (Moonlight's rule);
+            :mod:`singd_cuda.optim.graft`.
         factor_dtype: storage dtype of the factors (None, default: the parameter dtype);
             float64, float32, bfloat16 or float16. Arithmetic accumulates in float32.
         stochastic_rounding: round bf16 parameter writes stochastically (default False).
@@ -675,6 +686,8 @@ class SINGD(KroneckerOptimizer):
         warm_start: bool = True,
         loss_average: str | None = "batch",
         batch_dim: int | None = None,
+        kfac_approx: str = "expand",
+        graft: str | None = None,
         factor_dtype: torch.dtype | None = None,
         stochastic_rounding: bool = False,
         ema_decay: float = 0.8,
@@ -704,6 +717,8 @@ class SINGD(KroneckerOptimizer):
             warm_start=warm_start,
             loss_average=loss_average,
             batch_dim=batch_dim,
+            kfac_approx=kfac_approx,
+            graft=graft,
             factor_dtype=factor_dtype,
             stochastic_rounding=stochastic_rounding,
             ema_decay=ema_decay,
@@ -743,6 +758,7 @@ class SINGD(KroneckerOptimizer):
             "normalize_lr_cov": hp.flag,
             "warm_start": hp.flag,
             "decoupled_weight_decay": hp.flag,
+            "graft": hp.no_graft if adafisher else hp.one_of(GRAFTS),
         }
 
     def unused_hyperparameters(self, group: dict) -> set[str]:

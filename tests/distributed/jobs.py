@@ -98,6 +98,30 @@ def _jobs() -> dict[str, tuple[str, dict]]:
         "run",
         dict(optimizer="singd", inf_step=3, kwargs=singd("dense", distribute_factors=True)),
     )
+    jobs["singd-dense-reduce-distributed-ddp"] = (  # K-FAC-reduce: one row per image
+        "run",
+        dict(
+            optimizer="singd",
+            ddp=True,
+            kwargs=singd("dense", kfac_approx="reduce", distribute_factors=True),
+        ),
+    )
+    jobs["singd-dense-graft-distributed-ddp"] = (  # the owner grafts, the others receive
+        "run",
+        dict(
+            optimizer="singd",
+            ddp=True,
+            kwargs=singd("dense", graft="adam", distribute_factors=True),
+        ),
+    )
+    jobs["kfac-graft-replicated-plain"] = (
+        "run",
+        dict(optimizer="kfac", dtype=F64, kwargs=dict(lr=0.05, T=3, graft="rms")),
+    )
+    jobs["kfac-reduce-replicated-plain"] = (
+        "run",
+        dict(optimizer="kfac", dtype=F64, kwargs=dict(lr=0.05, T=3, kfac_approx="reduce")),
+    )
     jobs["singd-block_diagonal:4-distributed-subgroup"] = (
         "subgroup",
         dict(optimizer="singd", kwargs=singd("block_diagonal:4", distribute_factors=True)),

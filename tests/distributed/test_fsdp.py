@@ -39,6 +39,10 @@ def _jobs() -> dict[str, dict]:
         jobs[f"ikfac-dense{suffix}"] = dict(
             optimizer="singd", kwargs=_singd("dense", kfac_like=True, distribute_factors=owned)
         )
+        jobs[f"singd-diagonal-reduce{suffix}"] = dict(
+            optimizer="singd",
+            kwargs=_singd("diagonal", kfac_approx="reduce", distribute_factors=owned),
+        )
         jobs[f"singd-f64-norm-fisher{suffix}"] = dict(
             optimizer="singd",
             dtype=sc.F64,
@@ -107,6 +111,7 @@ SINGLE_RANK = [
         expect_error=True,
         kwargs=_singd("dense", weight_rescale=True),
     ),
+    dict(optimizer="singd", shard=True, expect_error=True, kwargs=_singd("dense", graft="adam")),
 ]
 
 
@@ -142,6 +147,10 @@ def test_a_single_rank_mesh_equals_the_plain_model(single_rank):
 
 def test_weight_rescale_is_refused_with_a_clear_error(single_rank):
     assert "weight_rescale=True is not supported" in single_rank[1]["error"]
+
+
+def test_graft_is_refused_with_a_clear_error(single_rank):
+    assert "graft is not supported with FSDP2-sharded parameters" in single_rank[2]["error"]
 
 
 HSDP = {

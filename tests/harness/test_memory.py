@@ -53,6 +53,30 @@ def test_formula_equals_measured_state(choice, factor_dtype):
     assert state_bytes(optimizer) == formula_bytes(model, choice, factor_dtype)
 
 
+@pytest.mark.parametrize("graft", ["adam", "rms"])
+@pytest.mark.parametrize(
+    "choice",
+    [
+        OptimizerChoice("singd", "block_diagonal:5"),
+        OptimizerChoice("ikfac"),
+        OptimizerChoice("kfac"),
+    ],
+    ids=lambda c: c.label,
+)
+def test_formula_with_graft_equals_measured_state(choice, graft):
+    """graft="adam": a second moment per weight and bias; "rms": nothing."""
+    torch.manual_seed(0)
+    model = Mixed()
+    optimizer = choice.build(model, {"lr": 1e-3, "graft": graft}, torch.float32)
+    idx = torch.randint(11, (4, 5, 5))
+    F.cross_entropy(model(idx), torch.randint(37, (4,))).backward()
+    optimizer.step()
+    measured = state_bytes(optimizer)
+    assert measured == formula_bytes(model, choice, torch.float32, graft=graft)
+    if graft == "adam":
+        assert measured > formula_bytes(model, choice, torch.float32)
+
+
 @pytest.mark.parametrize("spec", [*STRUCTURES, "block_diagonal:5", "hierarchical:4,3"])
 @pytest.mark.parametrize("d", [1, 2, 7, 31, 64])
 def test_structure_entries_match_storage(spec, d):

@@ -173,3 +173,84 @@ def test_parity_toeplitz_fft_products(structure):
         torch.testing.assert_close(ours, theirs, rtol=RTOL, atol=ATOL)
     cached = opt.rule_for(opt.param_groups[0])._outer._entries.values()
     assert any(type(v).__name__ == "_ToeplitzGram" for _, values, _ in cached for v in values)
+
+
+# ------------------------------------------------ K-FAC-reduce over sequences
+def sequence_model() -> nn.Module:
+    """Linear layers over (B, T, d) inputs, weights shared over the T positions."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(10, 12), nn.Tanh(), nn.Linear(12, 9, bias=False), nn.ReLU(), nn.Linear(9, 6)
+    ).double()
+
+
+def sequence_batches(steps: int = STEPS):
+    gen = torch.Generator().manual_seed(5)
+    return [
+        (
+            torch.randn(8, 7, 10, generator=gen, dtype=torch.float64),
+            torch.randint(0, 6, (8, 7), generator=gen),
+        )
+        for _ in range(steps)
+    ]
+
+
+def sequence_loss(output, target, loss_average: str) -> torch.Tensor:
+    """Cross-entropy summed over positions, a mean over the batch ("batch") or over
+    batch x positions ("batch+sequence")."""
+    total = nn.functional.cross_entropy(output.flatten(0, 1), target.flatten(), reduction="sum")
+    return total / (target.shape[0] if loss_average == "batch" else target.numel())
+
+
+def train_sequences(model, opt, batches, loss_average: str) -> None:
+    for x, y in batches:
+        opt.zero_grad()
+        sequence_loss(model(x), y, loss_average).backward()
+        opt.step()
+
+
+@pytest.mark.filterwarnings("ignore:Calling naive implementation")
+@pytest.mark.parametrize("loss_average", ["batch", "batch+sequence"])
+@pytest.mark.parametrize(
+    ("structure", "kfac_like"),
+    [("dense", False), ("diagonal", False), ("dense", True)],
+    ids=["dense", "diagonal", "ikfac"],
+)
+def test_parity_kfac_reduce(structure, kfac_like, loss_average):
+    """kfac_approx="reduce" (a mean of the inputs and a sum of the output gradients over
+    each sequence, one row per sample) equals the reference's in float64 (its other
+    structures take no float64)."""
+    model = sequence_model()
+    ref_model = copy.deepcopy(model)
+    batches = sequence_batches()
+    hp = dict(HYPER, alpha1=0.0 if kfac_like else 0.5, kfac_like=kfac_like)
+    hp.update(T=2, loss_average=loss_average, kfac_approx="reduce")
+    name = STRUCTURES[structure]
+    ref = Reference(ref_model, structures=(name, name), **hp)
+    train_sequences(ref_model, ref, batches, loss_average)
+    opt = SINGD(model, structures=structure, warm_start=False, **hp)
+    train_sequences(model, opt, batches, loss_average)
+    expanded = copy.deepcopy(sequence_model())
+    hp["kfac_approx"] = "expand"
+    opt = SINGD(expanded, structures=structure, warm_start=False, **hp)
+    train_sequences(expanded, opt, batches, loss_average)
+    for ours, theirs, other in zip(
+        model.parameters(), ref_model.parameters(), expanded.parameters(), strict=True
+    ):
+        torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12)
+        assert not torch.allclose(ours, other, rtol=1e-6, atol=0)  # reduce is not expand
+
+
+@pytest.mark.filterwarnings("ignore:Calling naive implementation")
+@pytest.mark.parametrize("structure", ["dense", "diagonal"])
+def test_parity_kfac_reduce_conv(structure):
+    """Conv2d with kfac_approx="reduce": per image the mean of its patches (grouped
+    channels averaged) and the sum of its output gradients over positions, in float64."""
+    model = parity_cnn().double()
+    ref_model = copy.deepcopy(model)
+    batches = parity_batches("cnn", dtype=torch.float64)
+    hp = dict(HYPER, T=2, kfac_approx="reduce")
+    train(ref_model, Reference(ref_model, structures=(structure, structure), **hp), batches)
+    train(model, SINGD(model, structures=structure, warm_start=False, **hp), batches)
+    for ours, theirs in zip(model.parameters(), ref_model.parameters(), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12)
