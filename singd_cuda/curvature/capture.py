@@ -18,9 +18,13 @@ How:
 * A callback at the end of the backward pass drops whatever was staged and not
   committed: ``torch.autograd.grad``, a frozen weight, ``backward(inputs=...)`` without
   the weight leave nothing behind.
-* A gradient reset (``.grad`` is None when the pass begins: ``zero_grad``, a new step)
-  discards the statistics committed before it, as it discards the gradient; the owner
-  calls :meth:`discard` on its own ``zero_grad`` (which may keep zero-filled grads).
+* A gradient reset discards the statistics committed before it, as it discards the
+  gradient: when a pass begins for a layer, its weight's ``.grad`` is None (``zero_grad``,
+  a new step) or, in one process, not the tensor the last committed pass left, or that
+  tensor modified in place since (``model.zero_grad(set_to_none=False)``,
+  ``p.grad.zero_()``; its ``_version`` moved). Under ``torch.distributed`` collectives
+  write into ``.grad`` after the hooks, so only None counts there. The owner calls
+  :meth:`discard` on its own ``zero_grad`` (which may keep zero-filled grads).
 
 Counting (so that any split of one batch gives that batch's statistics): samples are
 counted where a layer sees them. Every call of a layer that a committed backward pass
@@ -53,10 +57,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import capture_ops
-from .layers import Layer
+from .layers import BATCH_TELLING, Layer, call_batch
 
 Statistics = dict  # "in" / "out" -> statistic (a tensor or structured matrix, add_/mul_)
 
@@ -73,6 +78,10 @@ class CaptureOwner(Protocol):
     def _loss_terms(self, layer: Layer, output: Tensor) -> int:
         """w of one call: the loss terms its output covers (it may read and update the
         capture's ``model_batch``)."""
+
+    def _call_batch(self, batch: int) -> None:
+        """A module that knows its batch (an RNN, attention) was called on ``batch``
+        samples (it may read and update the capture's ``model_batch``)."""
 
     def _accumulate_statistics(
         self,
@@ -134,12 +143,16 @@ class CurvatureCapture:
         # that a compiled graph keeps the ops in order
         self._forward = torch.zeros((), dtype=torch.int64, device="cpu")
         self._calls = itertools.count()  # ids of layer calls that take statistics
-        # the batch of the running model forward: its input's dimension 0, or what a layer
-        # that knows its batch dimension counted since (None outside a model forward)
+        # the batch of the running model forward: its input's dimension 0, or what a
+        # module that knows its batch dimension said since (None outside a model forward)
         self.model_batch: int | None = None
+        self.batch_from_input = False  # model_batch is the input's dimension 0
+        self.counted_on_input = False  # a layer counted dimension 0 while it was
         self._callback_queued = False
         self._direct = False
         self._grad_hooks: dict[int, object] = {}
+        # layer -> (its weight's .grad, weakly, and the grad's _version) after a backward
+        self._last_grads: dict[Layer, tuple[weakref.ref, int]] = {}
         self._layers = list(layers)
         handle = capture_ops.register(self)
         ref = weakref.ref(self)
@@ -155,6 +168,11 @@ class CurvatureCapture:
         self._handles.append(
             model.register_forward_pre_hook(_ModelHook(handle, self._forward), with_kwargs=True)
         )
+        self._handles += [
+            module.register_forward_pre_hook(_BatchHook(handle, self._forward), with_kwargs=True)
+            for module in model.modules()
+            if isinstance(module, BATCH_TELLING)
+        ]
         for layer in layers:
             self._hook_weight(layer)
         _forget_compiled_code()
@@ -165,7 +183,11 @@ class CurvatureCapture:
     # At run time, inside the graph ops of capture_ops (compiled or not).
     def _on_model_forward(self, batch: int) -> None:
         self.model_batch = batch if batch >= 0 else None
+        self.batch_from_input, self.counted_on_input = self.model_batch is not None, False
         self._owner._before_forward()
+
+    def _on_call_batch(self, batch: int) -> None:
+        self._owner._call_batch(batch)
 
     def _hook_weight(self, layer: Layer) -> None:
         """The post-accumulate-grad hook of the layer's weight (once it can take one)."""
@@ -203,7 +225,7 @@ class CurvatureCapture:
             return
         staged = self._staged.get(layer)
         if staged is None:
-            staged = self._staged[layer] = _Staged(after_reset=layer.weight.grad is None)
+            staged = self._staged[layer] = _Staged(after_reset=self._grad_reset(layer))
             if not self._callback_queued:
                 self._callback_queued = True
                 ref = weakref.ref(self)
@@ -216,6 +238,17 @@ class CurvatureCapture:
         if self._accumulate(layer, layer_input, grad_output, weight, staged, new) and new:
             staged.calls[call] = weight
 
+    def _grad_reset(self, layer: Layer) -> bool:
+        """Whether the layer's weight gradient was reset since the last backward pass
+        that reached it (the module docstring)."""
+        grad = layer.weight.grad
+        if grad is None:
+            return True
+        seen = self._last_grads.get(layer)
+        if seen is None or (dist.is_available() and dist.is_initialized()):
+            return False
+        return seen[0]() is not grad or seen[1] != grad._version
+
     def _accumulate(self, layer, layer_input, grad_output, weight, into, with_input) -> bool:
         accumulate = self._owner._accumulate_statistics
         args = (layer, layer_input, grad_output, weight, into.statistics, with_input)
@@ -226,6 +259,9 @@ class CurvatureCapture:
             return accumulate(*args)
 
     def _on_accumulated(self, layer: Layer, weight: Tensor) -> None:
+        # the gradient this pass leaves (also one without statistics of the layer: a
+        # weight in an L2 term), against which the next pass tells a reset
+        self._last_grads[layer] = (weakref.ref(weight.grad), weight.grad._version)
         staged = self._staged.pop(layer, None)
         if staged is None:
             return
@@ -249,6 +285,7 @@ class CurvatureCapture:
         self._staged.clear()
         self._callback_queued = False
         self.model_batch = None
+        self.batch_from_input = self.counted_on_input = False
 
     # ------------------------------------------------------------- control
     def direct(self) -> _DirectCommit:
@@ -259,12 +296,12 @@ class CurvatureCapture:
     def discard(self) -> None:
         """Forget what the passes since the last step left (``zero_grad``): a thrown-away
         batch counts for nothing."""
-        self.committed.clear()
-        self.saw_samples = False
+        self.reset()
 
     def reset(self) -> None:
         """After a step (taken or skipped): forget statistics, counts and gradient marks."""
         self.committed.clear()
+        self._last_grads.clear()
         self.saw_samples = False
 
     def remove(self) -> None:
@@ -359,6 +396,21 @@ class _ModelHook(_InertCopies):
             -1,
         )
         capture_ops.begin(self._forward, self._handle, batch, torch.is_grad_enabled())
+
+
+class _BatchHook(_InertCopies):
+    """The forward pre-hook of a module that knows its batch (:data:`.layers.BATCH_TELLING`):
+    the ``tell`` op, with the call's batch."""
+
+    def __init__(self, handle: int, forward: Tensor) -> None:
+        self._handle, self._forward = handle, forward
+
+    def __call__(self, module: nn.Module, args, kwargs) -> None:
+        if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
+            return
+        batch = call_batch(module, args, kwargs)
+        if batch is not None:
+            capture_ops.tell(self._forward, self._handle, batch, torch.is_grad_enabled())
 
 
 class _LayerHook(_InertCopies):

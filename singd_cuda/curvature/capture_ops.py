@@ -3,11 +3,13 @@ traces a preconditioned model into one graph per forward and backward).
 
 The capture's bookkeeping is Python state (what each backward pass staged, what it
 committed, the loss terms of each layer call). Dynamo cannot trace that, so the hooks put
-three ops into the graph, each running the capture's Python at run time, compiled or not:
+four ops into the graph, each running the capture's Python at run time, compiled or not:
 
 * ``singd_capture::begin(counter, batch)``, at each call of the hooked model: counts the
   model forward (``counter`` += 1, in place, so every later op of the forward reads it
   after) and notes the batch of its input.
+* ``singd_capture::tell(counter, batch)``, at each call of a module that knows its batch
+  (an RNN, attention: :data:`~.layers.BATCH_TELLING`): notes the model's batch.
 * ``singd_capture::mark(counter, output) -> token``, at each call of a layer: whether the
   call takes statistics, its id and its w, as an int64 tensor (3,) on the CPU.
 * ``singd_capture::stage(grad_output, layer_input, token) -> 0``, in the backward of the
@@ -67,6 +69,12 @@ def _begin(counter: Tensor, handle: int, batch: int, grad_enabled: bool) -> None
         capture._on_model_forward(int(batch))
 
 
+def _tell(counter: Tensor, handle: int, batch: int, grad_enabled: bool) -> None:
+    capture = _lookup(handle)
+    if capture is not None and grad_enabled:
+        capture._on_call_batch(int(batch))
+
+
 def token_fields(output: Tensor, handle: int, index: int) -> tuple[int, int, int]:
     """(takes statistics, call, w) of a layer call: the fields of its ``mark`` token, which
     eager calls keep as they are (no tensor made)."""
@@ -96,9 +104,13 @@ def _stage(
 
 
 _begin_op = torch.library.custom_op("singd_capture::begin", _begin, mutates_args=("counter",))
+# ``tell`` declares ``counter`` mutated (it is not) so that the ``mark`` ops after it,
+# which read the counter, stay after it in a compiled graph
+_tell_op = torch.library.custom_op("singd_capture::tell", _tell, mutates_args=("counter",))
 _mark_op = torch.library.custom_op("singd_capture::mark", _mark, mutates_args=())
 _stage_op = torch.library.custom_op("singd_capture::stage", _stage, mutates_args=())
 begin = _in_graph(_begin_op, _begin)
+tell = _in_graph(_tell_op, _tell)
 stage = _in_graph(_stage_op, _stage)
 mark = _mark_op  # traced code only: eager calls take token_fields, no tensor
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .layers import SUPPORTED_LAYERS, Layer, bypassed_modules, is_supported
+from .layers import SUPPORTED_LAYERS, Layer, bypassed_modules, is_supported, own_parameter
 
 
 def find_layers(model: nn.Module, group_of_param: dict[int, int], owner: str) -> list[Layer]:
@@ -24,12 +24,13 @@ def find_layers(model: nn.Module, group_of_param: dict[int, int], owner: str) ->
         for param in module._parameters.values():
             if param is not None:
                 holders.setdefault(id(param), []).append((name, module))
-    layers, seen = [], set()
+    layers, seen, zero_size = [], set(), []
     for name, module in model.named_modules():
-        weight = getattr(module, "weight", None)
+        weight = own_parameter(module, "weight")
         if not is_supported(module) or id(weight) not in group_of_param:
             continue
         if weight.numel() == 0:  # no inputs or no outputs: nothing to precondition
+            zero_size.append(f"'{name or type(module).__name__}' {tuple(weight.shape)}")
             continue
         if id(weight) in seen or id(module) in skipped or id(weight) in skipped:
             continue
@@ -38,8 +39,9 @@ def find_layers(model: nn.Module, group_of_param: dict[int, int], owner: str) ->
         if any(type(m) is not type(module) and not _tied_embedding(m) for _, m in sharing):
             continue  # tied to another kind of module: the fallback trains it
         modules = tuple(m for _, m in sharing if type(m) is type(module))
-        biases = {id(m.bias) if m.bias is not None else None for m in modules}
-        bias = module.bias if len(biases) == 1 and id(module.bias) in group_of_param else None
+        biases = {id(b) if (b := own_parameter(m, "bias")) is not None else None for m in modules}
+        bias = own_parameter(module, "bias")
+        bias = bias if len(biases) == 1 and id(bias) in group_of_param else None
         if bias is not None and not bias.requires_grad:
             bias = None  # frozen now: outside the factor, the fallback if unfrozen
         layer = Layer(name or type(module).__name__, module, weight, bias, modules)
@@ -51,11 +53,16 @@ def find_layers(model: nn.Module, group_of_param: dict[int, int], owner: str) ->
         layers.append(layer)
     if not layers:
         supported = ", ".join(c.__name__ for c in SUPPORTED_LAYERS)
+        empty = (
+            f" (zero-size, with no inputs or no outputs: {', '.join(zero_size)})"
+            if zero_size
+            else ""
+        )
         raise ValueError(
             f"the model has no supported layer ({supported}, Hugging Face Conv1D, or a "
             "class given to singd_cuda.register_layer_kind) "
-            f"whose weight is trained by this optimizer; {owner} needs at least "
-            "one (for a model without any, use torch.optim.AdamW)"
+            f"whose weight is trained by this optimizer and not empty{empty}; {owner} "
+            "needs at least one (for a model without any, use torch.optim.AdamW)"
         )
     return layers
 

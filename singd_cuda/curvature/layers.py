@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 SUPPORTED_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)  # built-in; see is_supported
 """The torch.nn classes preconditioned without registration (subclasses included); Hugging
@@ -316,6 +317,16 @@ class Layer:
         return f"Layer('{self.name}', {type(self.module).__name__}, weight {weight}{bias})"
 
 
+def own_parameter(module: nn.Module, name: str) -> Tensor | None:
+    """``module.<name>`` without computing it: None for a parametrized tensor
+    (``torch.nn.utils.parametrizations.spectral_norm``, ``weight_norm``), whose every read
+    runs the parametrization (a spectral norm's power iteration advances its buffers), and
+    which is no parameter the optimizer could precondition anyway."""
+    if parametrize.is_parametrized(module, name):
+        return None
+    return getattr(module, name, None)
+
+
 def sequence_first_modules(model: nn.Module) -> set[int]:
     """ids of the modules inside PyTorch's sequence-first transformer layers
     (``nn.TransformerEncoderLayer`` / ``nn.TransformerDecoderLayer`` with
@@ -327,6 +338,24 @@ def sequence_first_modules(model: nn.Module) -> set[int]:
         if isinstance(module, layer_classes) and not module.self_attn.batch_first:
             found.update(id(m) for m in module.modules())
     return found
+
+
+BATCH_TELLING = (nn.RNNBase, nn.MultiheadAttention)
+"""Modules that know where their input's batch is (``batch_first``): ``nn.RNN``,
+``nn.LSTM``, ``nn.GRU`` and ``nn.MultiheadAttention``; each call says the model's batch
+(:func:`call_batch`)."""
+
+
+def call_batch(module: nn.Module, args: tuple, kwargs: dict) -> int | None:
+    """The samples of one call of a :data:`BATCH_TELLING` module: dimension 0 (with
+    ``batch_first=True``) or 1 of its batched input (an RNN's input, attention's query),
+    ``batch_sizes[0]`` of a packed sequence; None for an unbatched input."""
+    x = args[0] if args else next(iter(kwargs.values()), None)
+    if isinstance(x, nn.utils.rnn.PackedSequence):
+        return int(x.batch_sizes[0])
+    if not isinstance(x, Tensor) or x.dim() != 3:
+        return None
+    return x.shape[0 if module.batch_first else 1]
 
 
 def bypassed_modules(model: nn.Module) -> set[int]:

@@ -1,9 +1,17 @@
 """How many loss terms one call of a layer covers: the capture's counting rule.
 
 A call's output covers its samples along the batch dimension (or samples x positions for
-``loss_average="batch+sequence"``). With ``batch_dim=None`` the layers of sequence-first
-transformer modules count dimension 1 and tell the capture the model's batch; any other
-layer counts dimension 0 and is checked, once, against that batch.
+``loss_average="batch+sequence"``). With ``batch_dim=None`` the count follows the model's
+batch B: dimension 0 of the model's first tensor input, or, once a module that knows its
+batch dimension is called in the forward (an RNN or attention, :data:`.layers.BATCH_TELLING`,
+and the Linear layers of sequence-first transformer modules), the batch it holds. The
+layers of sequence-first transformer modules count dimension 1; any other layer counts
+dimension 0, or dimension 1 where dimension 0 is not B and dimension 1 is (its output is
+sequence-first: (positions, batch, ...)). So a sequence-first model counts as its
+batch-first twin. What cannot be told from shapes warns, once: layers that counted the
+input's dimension 0 before a module said another batch (the model's data may be
+sequence-first), and a layer whose count differs from B while a later dimension of its
+output has that size.
 """
 
 from __future__ import annotations
@@ -43,27 +51,53 @@ class LossTermCounter:
         if batch_dim is not None:
             return loss_terms(layer, output, loss_average, batch_dim)
         if layer in self.sequence_first:
-            batch = samples(layer, output, 1)
-            if capture.model_batch not in (None, batch) and _SEQUENCE_FIRST_WARNED not in (
-                self._checked
-            ):
-                self._checked.add(_SEQUENCE_FIRST_WARNED)
-                warnings.warn(
-                    f"{self.owner}: the model input's dimension 0 "
-                    f"({capture.model_batch}) is not the batch ({batch}) its sequence-first "
-                    "transformer layers see; the other layers count dimension 0. If the "
-                    "model's data is sequence-first, pass batch_dim=1 (README, 'What counts "
-                    "as curvature')",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-            capture.model_batch = batch
+            self.told(capture, samples(layer, output, 1))
             return loss_terms(layer, output, loss_average, 1)
-        if capture.model_batch is not None and id(layer.weight) not in self._checked:
+        batch = capture.model_batch
+        if batch is None:
+            return loss_terms(layer, output, loss_average, 0)
+        if self._sequence_first_output(layer, output, batch):
+            return loss_terms(layer, output, loss_average, 1)
+        if capture.batch_from_input and output.dim() >= 3:
+            capture.counted_on_input = True
+        if id(layer.weight) not in self._checked:
             self._checked.add(id(layer.weight))  # the first call says it
-            if misplaced_batch(layer, output, 0, capture.model_batch):
-                self._warn_misplaced_batch(layer, output, capture.model_batch)
+            if misplaced_batch(layer, output, 0, batch):
+                self._warn_misplaced_batch(layer, output, batch)
         return loss_terms(layer, output, loss_average, 0)
+
+    @staticmethod
+    def _sequence_first_output(layer: Layer, output: Tensor, batch: int) -> bool:
+        """Whether a features-last output is (positions, batch, ...): dimension 0 is not
+        the model's batch, dimension 1 is."""
+        return (
+            layer.kind.features_last
+            and output.dim() >= 3
+            and output.shape[0] != batch
+            and output.shape[1] == batch
+        )
+
+    def told(self, capture, batch: int) -> None:
+        """A module that knows its batch dimension holds ``batch`` samples: the model's
+        batch from now on in this forward. Warns (once) when it is not the model input's
+        dimension 0 and layers counted that dimension before."""
+        if (
+            capture.counted_on_input
+            and capture.model_batch != batch
+            and _SEQUENCE_FIRST_WARNED not in self._checked
+        ):
+            self._checked.add(_SEQUENCE_FIRST_WARNED)
+            warnings.warn(
+                f"{self.owner}: the model input's dimension 0 ({capture.model_batch}) is not "
+                f"the batch ({batch}) its sequence-first modules (RNNs, attention, transformer "
+                "layers) see, and layers called before them counted dimension 0. If the "
+                "model's data is sequence-first, pass batch_dim=1 (README, 'What counts as "
+                "curvature')",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        capture.model_batch = batch
+        capture.batch_from_input = capture.counted_on_input = False
 
     def norm_batch_dim(self, layer: Layer, batch_dim: int | None) -> int:
         """The batch dimension of a norm layer: ``batch_dim`` when given, else 1 inside a

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .layers import Layer
+from .layers import Layer, own_parameter
 
 NORM_LAYERS = (_BatchNorm, nn.LayerNorm, nn.GroupNorm)
 
@@ -35,7 +35,7 @@ def find_norm_layers(model: nn.Module, selected) -> list[Layer]:
     for name, module in model.named_modules():
         if not isinstance(module, NORM_LAYERS):
             continue
-        weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+        weight, bias = own_parameter(module, "weight"), own_parameter(module, "bias")
         if weight is None or not selected(weight):
             continue
         bias = bias if bias is not None and selected(bias) else None

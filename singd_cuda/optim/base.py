@@ -21,9 +21,11 @@ layers it owns.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from abc import abstractmethod
+from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
@@ -40,6 +42,7 @@ from ..curvature.layers import (
     grad_output_sum_squares,
     input_matrix,
     input_sum_squares,
+    own_parameter,
     reduced_grad_output_matrix,
     reduced_input_matrix,
     sequence_first_modules,
@@ -215,6 +218,21 @@ class KroneckerOptimizer(Optimizer):
                         f"a parameter of shape {tuple(p.shape)} is not a parameter of the model; "
                         "pass params drawn from model.parameters() (or params=None for all)"
                     )
+        # a sparse embedding's trained weight, unless another module holds it too (a tied
+        # output head: the two gradients add up to a dense one)
+        trained = {id(p) for group in self.param_groups for p in group["params"]}
+        holders = Counter(id(p) for m in model.modules() for p in m._parameters.values())
+        for name, module in model.named_modules():
+            if not (isinstance(module, nn.Embedding | nn.EmbeddingBag) and module.sparse):
+                continue
+            weight = own_parameter(module, "weight")
+            if id(weight) in trained and weight.requires_grad and holders[id(weight)] == 1:
+                raise ValueError(
+                    f"{type(self).__name__} does not support sparse gradients, which "
+                    f"'{name or type(module).__name__}' ({type(module).__name__} with "
+                    "sparse=True) gives: use sparse=False, or train it with "
+                    "torch.optim.SparseAdam and leave its weight out of params="
+                )
 
     def _find_layers(self, model: nn.Module) -> list[Layer]:
         return find_layers(model, self._param_group, type(self).__name__)
@@ -264,6 +282,11 @@ class KroneckerOptimizer(Optimizer):
         return self._counter.count(
             layer, output, group["loss_average"], group["batch_dim"], self._capture
         )
+
+    def _call_batch(self, batch: int) -> None:
+        """A module that knows its batch dimension was called (the counting rule's model
+        batch: :mod:`singd_cuda.curvature.loss_terms`)."""
+        self._counter.told(self._capture, batch)
 
     def _accumulate_statistics(
         self,
@@ -412,17 +435,47 @@ class KroneckerOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._refuse_sparse_gradients()  # before anything changes: the statistics stay
         try:
             hyperparameters.check_step(self)  # param_groups edited since the last step
             self._step()
         except BaseException:
-            # leave nothing stale behind: a GradScaler deletes its loss scale after a
-            # step that returns, not after one that raises
-            self.__dict__.pop("grad_scale", None)
-            self.__dict__.pop("found_inf", None)
             self._skip("")
             raise
         return loss
+
+    @staticmethod
+    def profile_hook_step(func: Callable) -> Callable:
+        """torch.optim's wrapper of ``step`` (which runs the step pre- and post-hooks),
+        inside one that forgets a GradScaler's loss scale when the call raises: the
+        scaler sets ``grad_scale`` and ``found_inf`` before ``scaler.step(opt)`` calls
+        ``step`` and deletes them after a call that returns, not after one that raises
+        (in a hook, where ``step``'s own body never runs, or in the body)."""
+        hooked = Optimizer.profile_hook_step(func)
+
+        @functools.wraps(hooked)
+        def step(self, *args, **kwargs):
+            try:
+                return hooked(self, *args, **kwargs)
+            except BaseException:
+                self.__dict__.pop("grad_scale", None)
+                self.__dict__.pop("found_inf", None)
+                raise
+
+        return step
+
+    def _refuse_sparse_gradients(self) -> None:
+        """RuntimeError for a sparse gradient (an embedding switched to ``sparse=True`` or
+        unfrozen after construction, which refuses the ones it sees)."""
+        params = (p for g in self.param_groups for p in g["params"])
+        sparse = [p for p in params if p.grad is not None and p.grad.layout != torch.strided]
+        if sparse:
+            raise RuntimeError(
+                f"{type(self).__name__} does not support sparse gradients (a parameter of "
+                f"shape {tuple(sparse[0].shape)} has one: an nn.Embedding or "
+                "nn.EmbeddingBag with sparse=True): use sparse=False, or train those "
+                "parameters with torch.optim.SparseAdam and leave them out of params="
+            )
 
     def _step(self) -> None:
         self._report_late()
@@ -478,12 +531,6 @@ class KroneckerOptimizer(Optimizer):
                 f"{type(self).__name__}: a newer optimizer on the same model took over its "
                 "layers, so this one captures no curvature any more; use one optimizer per "
                 "layer (remove_hooks() on an optimizer releases its layers)"
-            )
-        if any(p.grad is not None and p.grad.is_sparse for p in self._fallback_params):
-            raise RuntimeError(
-                f"{type(self).__name__} does not support sparse gradients (an nn.Embedding "
-                "or nn.EmbeddingBag with sparse=True): use sparse=False, or train those "
-                "parameters with torch.optim.SparseAdam and leave them out of params="
             )
         if self._shards() is not None and any(g["weight_rescale"] for g in self.param_groups):
             raise NotImplementedError(

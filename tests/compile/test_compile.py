@@ -303,3 +303,45 @@ def test_inductor_training_equals_eager(model_name, name):
     compiled = train(model_name, name, "inductor")
     for a, b in zip(eager, compiled, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+class Attending(nn.Module):
+    """nn.MultiheadAttention and a Linear on its (T, B, C) output (or (B, T, C) with
+    ``batch_first=True``), mean over positions."""
+
+    def __init__(self, batch_first: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.batch_first = batch_first
+        self.attention = nn.MultiheadAttention(6, 2, batch_first=batch_first)
+        self.head = nn.Linear(6, 3)
+        self.double()
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.attention(x, x, x, need_weights=False)[0]
+        return self.head(h).mean(1 if self.batch_first else 0)
+
+
+def train_attending(batch_first: bool, backend: str | None) -> list[Tensor]:
+    model = Attending(batch_first)
+    opt = SINGD(model, lr=0.05, T=1, structures="dense")
+    run = model if backend is None else torch.compile(model, backend=backend, fullgraph=True)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(10, 4, 6, generator=gen, dtype=torch.float64)  # (B, T, C)
+        opt.zero_grad()
+        run(x if batch_first else x.transpose(0, 1)).square().mean().backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_compiled_attention_says_the_batch_as_eager():
+    """A sequence-first nn.MultiheadAttention says the model's batch inside a compiled
+    graph (the ``tell`` op): the Linear on its (T, B, C) output counts B, as eager and as
+    the batch-first twin."""
+    compiled = train_attending(False, "aot_eager")
+    for a, b in zip(train_attending(False, None), compiled, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(train_attending(True, None), compiled, strict=True):
+        # attention in another layout rounds differently: 1e-10 absolute
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)

@@ -211,14 +211,17 @@ def test_a_sequence_first_model_without_batch_dim_is_warned_about():
     assert len([w for w in caught if "batch_dim" in str(w.message)]) == 1
 
 
-def test_linear_layers_on_sequence_first_data_are_warned_about_once_each():
-    model = LinearSequence("sequence")
-    opt = make_optimizer("singd-dense", model)
-    with pytest.warns(RuntimeWarning, match="batch_dim=1") as caught:
-        for x, y in sequences(3):
-            plain_step(model, opt, x, y)
-    named = sorted(str(w.message).split("'")[1] for w in caught if "batch_dim" in str(w.message))
-    assert named == ["inp", "mid"]  # the head's input is pooled: (B, C)
+@pytest.mark.parametrize("name", NAMES)
+def test_linear_layers_on_transposed_data_count_the_models_batch(name):
+    """Batch-first data transposed inside the model: the layers on (T, B, C) count the
+    model's batch B (their dimension 1) without being told, and warn about nothing."""
+    data = sequences()
+    first = LinearSequence("batch")
+    seq = copy_weights(LinearSequence("sequence"), first)
+    expected = train(name, first, data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_close_params(train(name, seq, data), expected)
 
 
 def test_an_explicit_batch_dim_is_validated():
