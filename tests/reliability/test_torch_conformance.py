@@ -132,6 +132,17 @@ def test_maximize_is_the_update_of_the_negated_loss(name):
     assert_same(parameters(model), parameters(reference))
 
 
+@pytest.mark.parametrize("name", ["singd-dense", "kfac"])
+def test_maximize_with_norm_fisher_and_weight_decay(name):
+    """The LayerNorm's diagonal-Fisher step negates its gradient too; weight decay does
+    not change sign (as torch.optim)."""
+    extra = dict(norm_fisher=True, weight_decay=0.1)
+    model, reference = make_model(), make_model()
+    run(model, make_optimizer(name, model, maximize=True, **extra), range(4))
+    run(reference, make_optimizer(name, reference, **extra), range(4), sign=-1.0)
+    assert_same(parameters(model), parameters(reference))
+
+
 @pytest.mark.parametrize("name", ["singd-dense", "singd-diagonal", "adafisher", "kfac"])
 def test_maximize_under_a_grad_scaler(name):
     def scaler():
