@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import warnings
 from abc import abstractmethod
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
@@ -674,10 +675,16 @@ class KroneckerOptimizer(Optimizer):
 
         Raises ValueError, before changing anything, when the checkpoint does not fit
         (another optimizer, model, structure, a non-finite or non-float state tensor;
-        :mod:`.checkpoint`); any later failure (a post-hook) restores the old state.
+        :mod:`.checkpoint`), checked after the load_state_dict pre-hooks (which may adapt
+        it, as torch.optim says); any later failure (a post-hook) restores the old state.
         """
+        hooks = self._optimizer_load_state_dict_pre_hooks
+        state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict
+        for hook in hooks.values():  # as torch.optim; before the check: they may adapt it
+            state_dict = hook(self, state_dict) or state_dict
         state_dict = checkpoint.prepared(self, state_dict)
         previous = self.state, self.param_groups, dict(self.defaults)
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()  # they ran above
         try:
             super().load_state_dict(state_dict)  # replaces state and param_groups
             for group in self.param_groups:  # the loaded hyperparameters are the ones in use
@@ -690,6 +697,8 @@ class KroneckerOptimizer(Optimizer):
             for group in self.param_groups:
                 hyperparameters.accept(self, group)
             raise
+        finally:
+            self._optimizer_load_state_dict_pre_hooks = hooks
 
     def full_state_dict(self) -> dict[str, Any]:
         """The whole optimizer state, on every rank (a collective: call it on all ranks).

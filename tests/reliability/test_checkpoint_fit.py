@@ -298,3 +298,34 @@ def test_add_param_group_names_the_stale_parameter_not_the_new_one():
     with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] .* no longer"):
         opt.add_param_group({"params": list(model[3].parameters())})
     assert len(opt.param_groups) == 1
+
+
+def test_load_state_dict_pre_hooks_run_before_the_check():
+    """torch.optim's pre-hooks may adapt a checkpoint: one that renames a key back makes
+    it fit; one that writes a NaN into it gets it refused."""
+    checkpoint = saved("singd-dense")
+    renamed = {**checkpoint, "state": {i: dict(s) for i, s in checkpoint["state"].items()}}
+    renamed["state"][0]["A"] = renamed["state"][0].pop("K")
+
+    def rename_back(optimizer, state_dict):
+        state_dict["state"][0]["K"] = state_dict["state"][0].pop("A")
+
+    opt = make_optimizer("singd-dense", make_model())
+    handle = opt.register_load_state_dict_pre_hook(rename_back)
+    opt.load_state_dict(renamed)
+    assert_same(state_tensors(opt), state_tensors(loaded("singd-dense", checkpoint)))
+    handle.remove()
+
+    def poison(optimizer, state_dict):
+        state = {i: dict(s) for i, s in state_dict["state"].items()}
+        state[0]["momentum_buffer"] = torch.full_like(state[0]["momentum_buffer"], torch.nan)
+        return {**state_dict, "state": state}
+
+    opt.register_load_state_dict_pre_hook(poison)
+    assert_rejected(opt, checkpoint, r"non-finite values .*'momentum_buffer' of parameter 0")
+
+
+def loaded(name: str, checkpoint: dict):
+    opt = make_optimizer(name, make_model())
+    opt.load_state_dict(checkpoint)
+    return opt
