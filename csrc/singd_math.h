@@ -141,10 +141,17 @@ SINGD_HD T singd_diag_element(T p, T g, T& buf, T row, T col, const Epilogue<T>&
   return sgd_element<kMomentum>(p, (row * col) * g, buf, e);
 }
 
-// AdaFisher: F_ij = s'_i h'_j + damping formed on the fly, then the Adam-style epilogue.
+// AdaFisher: F_ij = s'_i h'_j + damping formed on the fly, then the Adam-style epilogue
+// with each element's step bounded by lr: F is min-max normalised into [damping,
+// 1 + damping], so unbounded the step would be up to lr / damping times the gradient,
+// whatever the gradient's scale (NaN passes through the bound).
 template <typename T>
 SINGD_HD T adafisher_element(T p, T g, T& m, T row, T col, const Epilogue<T>& e) {
-  return adam_element(p, g, m, row * col + e.damping, e);
+  const T u = direction(g, p, e);
+  m = e.momentum * m + e.one_minus_beta * u;
+  T step = e.step_size * (m / (row * col + e.damping));
+  step = step > e.lr ? e.lr : (step < -e.lr ? -e.lr : step);
+  return p * e.p_scale - step;
 }
 
 // ---------------------------------------------------------------------------------------

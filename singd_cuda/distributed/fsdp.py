@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..curvature.layers import Layer, gradient_matrix
+from ..optim.write import gradient_factor
 from ..structures.base import accumulation_dtype
 from . import comm
 
@@ -237,7 +238,8 @@ class RowShards:
                             state[key] = torch.zeros_like(param)
             if e.rule.row_local(e.group):
                 step = e.group["step"]
-                e.rule.apply_shard(e.layer, shard, e.group, e.states, inv_scale, step, e.seed)
+                factor = gradient_factor(inv_scale, e.group, e.layer.weight.device)
+                e.rule.apply_shard(e.layer, shard, e.group, e.states, factor, step, e.seed)
             elif e.owner is None:
                 gathered.append(e)
             else:
@@ -252,13 +254,15 @@ class RowShards:
                 e.rule.apply_direction(shard, e.group, e.states, naturals[id(e.layer)], e.seed)
 
     def _padded_rows(self, e: ShardStep, shard: RowShard, inv_scale) -> Tensor:
-        """This rank's rows of G (unscaled), zero-padded to the chunk of ⌈d_C / world⌉."""
+        """This rank's rows of G (unscaled; negated under ``maximize``), zero-padded to the
+        chunk of ⌈d_C / world⌉."""
         dtype = accumulation_dtype(e.layer.weight.dtype)
         chunk = -(-e.layer.dim_out // self.world)
         out = torch.zeros(chunk, e.layer.dim_in, dtype=dtype, device=e.layer.weight.device)
         if not shard.empty:
             G = gradient_matrix(shard, dtype)
-            out[: G.shape[0]] = G if inv_scale is None else G * inv_scale.to(G.device, dtype)
+            factor = gradient_factor(inv_scale, e.group, G.device)  # maximize: negated
+            out[: G.shape[0]] = G if factor is None else G * factor.to(G.device, dtype)
         return out
 
     def _gathered_naturals(self, entries, shards, inv_scale) -> dict[int, Tensor]:

@@ -97,8 +97,10 @@ def _adam_update(
     m_new = beta * m.to(p.dtype) + (1 - beta) * u
     _store(m, m_new, skip)
     step_size = lr / (1 - beta**step)
-    direction = m_new if denom is None else m_new / denom
-    return _decay(p, lr, weight_decay, decoupled) - step_size * direction
+    if denom is None:
+        return _decay(p, lr, weight_decay, decoupled) - step_size * m_new
+    # AdaFisher: each element's step bounded by lr (as the fused op)
+    return _decay(p, lr, weight_decay, decoupled) - (step_size * (m_new / denom)).clamp(-lr, lr)
 
 
 def sgd_epilogue_(

@@ -453,6 +453,9 @@ class AdaFisher(KroneckerOptimizer):
         factor_dtype: storage dtype of the factors (None, default: the parameter dtype);
             float64, float32, bfloat16 or float16. Arithmetic accumulates in float32.
         stochastic_rounding: round bf16 parameter writes stochastically (default False).
+        maximize: maximise the objective: each update is the one for the negated loss
+            (the gradients' sign flips; the curvature statistics do not depend on it;
+            ``.grad`` is left as it is) (default False).
         grad_scaler: the ``torch.amp.GradScaler`` in use, needed only when
             ``scaler.unscale_(opt)`` runs before ``scaler.step(opt)`` (default None).
         nonfinite: ``"warn"`` (default) or ``"raise"`` (``FloatingPointError``) when a
@@ -488,6 +491,7 @@ class AdaFisher(KroneckerOptimizer):
         kfac_approx: str = "expand",
         factor_dtype: torch.dtype | None = None,
         stochastic_rounding: bool = False,
+        maximize: bool = False,
         grad_scaler: torch.amp.GradScaler | None = None,
         nonfinite: str = "warn",
         process_group=None,
@@ -508,6 +512,7 @@ class AdaFisher(KroneckerOptimizer):
             kfac_approx=kfac_approx,
             factor_dtype=factor_dtype,
             stochastic_rounding=stochastic_rounding,
+            maximize=maximize,
         )
         defaults.update(checked_fallback(fallback))
         self._rule = AdaFisherRule()

@@ -25,7 +25,7 @@ import functools
 import math
 import warnings
 from abc import abstractmethod
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
@@ -62,6 +62,7 @@ from .finite import (
     skip_message,
     tensors_of,
 )
+from .loss_scale import stepping_scaler
 from .norm_fisher import norm_step
 from .precondition import precondition_layers, precondition_shards
 from .rule import LayerRule, scheduled
@@ -92,6 +93,7 @@ class KroneckerOptimizer(Optimizer):
         norm_damping=1e-3,
         weight_rescale=False,
         momentum_lr_ratio=None,
+        maximize=False,
     )
 
     def __init__(
@@ -172,9 +174,9 @@ class KroneckerOptimizer(Optimizer):
                     )
                 self._index_model()
         except Exception:
-            self.param_groups.pop()  # leave the optimizer as it was
-            if "_sync" in self.__dict__:
-                self._index_model()
+            # leave the optimizer as it was: _index_model changes nothing when it fails, so
+            # the hooks and the statistics captured since the last step stay
+            self.param_groups.pop()
             raise
 
     def _index_model(self) -> None:
@@ -182,12 +184,14 @@ class KroneckerOptimizer(Optimizer):
         the current groups, and hook the layers (again, after a later add_param_group)."""
         model = self.model
         self._check_params_in_model(model)
-        self._param_group = {
+        param_group = {
             id(p): index for index, g in enumerate(self.param_groups) for p in g["params"]
         }
-        self._layers = self._find_layers(model)
+        layers = self._find_layers(model, param_group)
         norm_params = {id(p) for g in self.param_groups if g["norm_fisher"] for p in g["params"]}
-        self._norm_layers = norm_layers.find_norm_layers(model, lambda p: id(p) in norm_params)
+        norm = norm_layers.find_norm_layers(model, lambda p: id(p) in norm_params)
+        # all found: only now is anything replaced (a failure above leaves the optimizer)
+        self._param_group, self._layers, self._norm_layers = param_group, layers, norm
         self._norm_set = set(self._norm_layers)
         sequence_first = sequence_first_modules(model)  # their layers count dimension 1
         self._counter.sequence_first = {
@@ -211,13 +215,23 @@ class KroneckerOptimizer(Optimizer):
 
     def _check_params_in_model(self, model: nn.Module) -> None:
         in_model = {id(p) for p in model.parameters()}
-        for group in self.param_groups:
-            for p in group["params"]:
-                if id(p) not in in_model:
+        constructed = "_sync" in self.__dict__
+        for index, group in enumerate(self.param_groups):
+            for position, p in enumerate(group["params"]):
+                if id(p) in in_model:
+                    continue
+                where = f"param_groups[{index}]['params'][{position}] (shape {tuple(p.shape)})"
+                if constructed and index < len(self.param_groups) - 1:
                     raise ValueError(
-                        f"a parameter of shape {tuple(p.shape)} is not a parameter of the model; "
-                        "pass params drawn from model.parameters() (or params=None for all)"
+                        f"{where}, a parameter this optimizer already trains, is no longer a "
+                        "parameter of the model (was it replaced, e.g. module.weight = "
+                        f"nn.Parameter(...)?); create a new {type(self).__name__} for the "
+                        "model as it is now"
                     )
+                raise ValueError(
+                    f"{where} is not a parameter of the model; pass params drawn from "
+                    "model.parameters() (or params=None for all)"
+                )
         # a sparse embedding's trained weight, unless another module holds it too (a tied
         # output head: the two gradients add up to a dense one)
         trained = {id(p) for group in self.param_groups for p in group["params"]}
@@ -234,8 +248,8 @@ class KroneckerOptimizer(Optimizer):
                     "torch.optim.SparseAdam and leave its weight out of params="
                 )
 
-    def _find_layers(self, model: nn.Module) -> list[Layer]:
-        return find_layers(model, self._param_group, type(self).__name__)
+    def _find_layers(self, model: nn.Module, param_group: dict[int, int]) -> list[Layer]:
+        return find_layers(model, param_group, type(self).__name__)
 
     @property
     def layers(self) -> list[Layer]:
@@ -411,17 +425,18 @@ class KroneckerOptimizer(Optimizer):
         if found_inf is None:  # no GradScaler involved in this step
             return None, None, None
         # scaler.unscale_(opt) ran before step: gradients are unscaled, statistics are not
-        if self.grad_scaler is not None:
+        scaler = self.grad_scaler or stepping_scaler(self)
+        if scaler is not None:
             # the scaler's scale tensor, unread (get_scale() would read it to the host)
-            scale = self.grad_scaler._get_scale_async()
+            scale = scaler._get_scale_async()
             if scale is None:
-                scale = torch.tensor(self.grad_scaler.get_scale())
+                scale = torch.tensor(scaler.get_scale())
             return None, scale, found_inf
         if self._capture.committed:
             raise ValueError(
-                "scaler.unscale_(optimizer) was called before step, so the optimizer cannot "
-                "see the loss scale its curvature statistics carry; pass grad_scaler=scaler "
-                f"to {type(self).__name__}(...)"
+                "the gradients were unscaled before step, but not by a GradScaler's "
+                "step(optimizer), so the optimizer cannot see the loss scale its curvature "
+                f"statistics carry; pass grad_scaler=scaler to {type(self).__name__}(...)"
             )
         return None, None, found_inf
 
@@ -436,11 +451,18 @@ class KroneckerOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._refuse_sparse_gradients()  # before anything changes: the statistics stay
+        stepping = False
         try:
-            hyperparameters.check_step(self)  # param_groups edited since the last step
+            # edited hyperparameters: a ValueError before anything changes (the statistics
+            # captured since the last step stay for the next try)
+            hyperparameters.check_step(self)
+            if self._sync is None and not any(self._has_gradients(g) for g in self.param_groups):
+                return loss  # as torch.optim: no gradient, no step (nothing changes)
+            stepping = True
             self._step()
         except BaseException:
-            self._skip("")
+            if stepping:  # a refused edit keeps the statistics for the next try
+                self._skip("")
             raise
         return loss
 
@@ -518,9 +540,16 @@ class KroneckerOptimizer(Optimizer):
         norm_step(self, grad_scale)
         self._fallback_step(grad_scale, self._fallback_params, skip)
         for group in self.param_groups:
-            group["step"] += 1
+            # a group without gradients sits the step out (as torch.optim.AdamW counts a
+            # parameter's steps); under torch.distributed every rank counts every step
+            if self._sync is not None or self._has_gradients(group):
+                group["step"] += 1
         self._forget_statistics()
         return None
+
+    @staticmethod
+    def _has_gradients(group: dict) -> bool:
+        return any(p.grad is not None for p in group["params"])
 
     def _check(self, found_inf: Tensor | None) -> None:
         """Refuse what the step cannot do (before any state changes), and raise the
@@ -717,15 +746,31 @@ class KroneckerOptimizer(Optimizer):
         """Load a state; unlike torch.optim, every state tensor keeps its own dtype.
 
         Raises ValueError, before changing anything, when the checkpoint does not fit
-        (another optimizer, model, structure; :mod:`.checkpoint`).
+        (another optimizer, model, structure, a non-finite or non-float state tensor;
+        :mod:`.checkpoint`), checked after the load_state_dict pre-hooks (which may adapt
+        it, as torch.optim says); any later failure (a post-hook) restores the old state.
         """
+        hooks = self._optimizer_load_state_dict_pre_hooks
+        state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict
+        for hook in hooks.values():  # as torch.optim; before the check: they may adapt it
+            state_dict = hook(self, state_dict) or state_dict
         state_dict = checkpoint.prepared(self, state_dict)
-        super().load_state_dict(state_dict)
-        for group in self.param_groups:  # the loaded hyperparameters are the ones in use
-            hyperparameters.accept(self, group)
-        checkpoint.keep_saved_dtypes(self, state_dict["state"])
-        if self._sync is not None:  # distribute_factors: this rank's layers; FSDP2: rows
-            self._sync.keep_own_state(self.state)
+        previous = self.state, self.param_groups, dict(self.defaults)
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()  # they ran above
+        try:
+            super().load_state_dict(state_dict)  # replaces state and param_groups
+            for group in self.param_groups:  # the loaded hyperparameters are the ones in use
+                hyperparameters.accept(self, group)
+            checkpoint.keep_saved_dtypes(self, state_dict["state"])
+            if self._sync is not None:  # distribute_factors: this rank's layers; FSDP2: rows
+                self._sync.keep_own_state(self.state)
+        except BaseException:  # e.g. a load_state_dict post-hook: back to the old objects
+            self.state, self.param_groups, self.defaults = previous
+            for group in self.param_groups:
+                hyperparameters.accept(self, group)
+            raise
+        finally:
+            self._optimizer_load_state_dict_pre_hooks = hooks
 
     def full_state_dict(self) -> dict[str, Any]:
         """The whole optimizer state, on every rank (a collective: call it on all ranks).

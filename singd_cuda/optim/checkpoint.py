@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -33,13 +34,18 @@ LAYER_BUFFERS = {
 }
 # hyperparameters added since the first checkpoints: key -> the value such a checkpoint
 # behaves as (SINGD's warm start: an old run's factors have started already; batch_dim:
-# automatic, as every run was before it existed; kfac_approx, graft: what was built then)
+# automatic, as every run was before it existed; kfac_approx, graft: what was built then;
+# maximize: every run minimised)
 ADDED_HYPERPARAMETERS = {
     "warm_start": True,
     "batch_dim": None,
     "kfac_approx": "expand",
     "graft": None,
+    "maximize": False,
 }
+# keys torch.optim.Optimizer adds to ``defaults`` itself (its __setstate__, on every
+# load_state_dict): not hyperparameters a checkpoint must hold
+TORCH_DEFAULTS = frozenset({"differentiable"})
 NORM_STATE = {"momentum_buffer": True, "fisher_diag": True}
 FALLBACK_STATE = {"step": False, "exp_avg": True, "exp_avg_sq": True}
 
@@ -96,7 +102,8 @@ def _check_group(index: int, saved: dict, group: dict, optimizer, fix: str) -> N
             f"{where} has {len(saved['params'])} parameters in the checkpoint and "
             f"{len(group['params'])} here; {fix}"
         )
-    missing = sorted(set(optimizer.defaults) - set(saved) - set(ADDED_HYPERPARAMETERS))
+    needed = set(optimizer.defaults) - TORCH_DEFAULTS - set(ADDED_HYPERPARAMETERS)
+    missing = sorted(needed - set(saved))
     if missing:
         raise CheckpointMismatchError(
             f"{where} of the checkpoint lacks {missing}: it was saved by another optimizer "
@@ -224,6 +231,7 @@ def prepared(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]
     with hyperparameters added since it was saved, without the optimizer kind), after
     checking that it fits; raises :class:`CheckpointMismatchError` before anything is
     loaded. ``optimizer``: a KroneckerOptimizer."""
+    _check_layout(state_dict)
     state_dict = by_index(state_dict)  # DCP's set_optimizer_state_dict: names
     foreign = set()
     if optimizer._shards() is not None:
@@ -231,6 +239,7 @@ def prepared(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]
         foreign = {id(p) for p in optimizer._sync.foreign_params()}
     check_fits(optimizer, state_dict, buffers_only=foreign)
     _check_norm_fisher_kept(optimizer, state_dict)
+    _check_values(optimizer, state_dict)
     groups = [
         with_added_hyperparameters(saved, group)
         for saved, group in zip(state_dict["param_groups"], optimizer.param_groups, strict=True)
@@ -239,6 +248,74 @@ def prepared(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]
         **{k: v for k, v in state_dict.items() if k != KIND_KEY},
         "param_groups": groups,
     }
+
+
+def _check_layout(state_dict: Any) -> None:
+    """A dict with ``state`` (a dict) and ``param_groups`` (a list of dicts with
+    ``params``), as torch.optim's ``state_dict()`` returns."""
+    if not isinstance(state_dict, dict):
+        raise CheckpointMismatchError(
+            f"the checkpoint is a {type(state_dict).__name__}, not an optimizer state_dict"
+        )
+    groups = state_dict.get("param_groups")
+    missing = [key for key in ("state", "param_groups") if key not in state_dict]
+    if missing or not isinstance(state_dict["state"], dict) or not isinstance(groups, list):
+        raise CheckpointMismatchError(
+            f"the checkpoint is not an optimizer state_dict: it needs 'state' (a dict) and "
+            f"'param_groups' (a list), it has {sorted(map(str, state_dict))}"
+        )
+    for index, group in enumerate(groups):
+        if not isinstance(group, dict) or not isinstance(group.get("params"), list):
+            raise CheckpointMismatchError(
+                f"param_groups[{index}] of the checkpoint is not a dict with a 'params' list"
+            )
+
+
+def _check_values(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
+    """Every group's ``step`` is an integer >= 0, and every tensor of the state is real
+    floating point and finite (a factor or buffer holding inf or NaN would carry it into
+    every later step). One device read per device of the state."""
+    for index, group in enumerate(state_dict["param_groups"]):
+        step = group.get("step")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise CheckpointMismatchError(
+                f"param_groups[{index}] of the checkpoint has step {step!r}, expected an "
+                "integer >= 0"
+            )
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    names = {id(p): n for n, p in optimizer.model.named_parameters()}
+    by_device: dict[Any, list[tuple[str, Tensor]]] = {}
+    for index, state in state_dict["state"].items():
+        where = f"parameter {index} ('{names.get(id(params[index]), '?')}')"
+        for key, tensor in _tensors(state):
+            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # DTensor
+            if not local.is_floating_point():
+                raise CheckpointMismatchError(
+                    f"the state of {where} holds '{key}' of dtype {local.dtype}; the state "
+                    "holds real floating-point tensors only"
+                )
+            by_device.setdefault(local.device, []).append((f"'{key}' of {where}", local))
+    for entries in by_device.values():
+        finite = torch.stack([t.isfinite().all() for _, t in entries])
+        if bool(finite.all()):
+            continue
+        bad = [where for (where, _), ok in zip(entries, finite.tolist(), strict=True) if not ok]
+        raise CheckpointMismatchError(
+            f"the checkpoint holds non-finite values (inf or NaN) in {', '.join(bad[:3])}"
+            f"{' and more' if len(bad) > 3 else ''}: it was saved from a run that had "
+            "diverged; load an earlier checkpoint"
+        )
+
+
+def _tensors(value: Any, key: str = "") -> list[tuple[str, Tensor]]:
+    """(key path, tensor) of every tensor in a (nested) state dict."""
+    if isinstance(value, Tensor):
+        return [(key, value)]
+    if isinstance(value, dict):
+        return [
+            pair for k, v in value.items() for pair in _tensors(v, f"{key}.{k}" if key else str(k))
+        ]
+    return []
 
 
 def keep_saved_dtypes(optimizer: Optimizer, saved_state: dict[int, dict]) -> None:

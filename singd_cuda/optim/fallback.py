@@ -125,7 +125,7 @@ def fallback_step(
             members, grads = [shards.local(p) for p in members], [shards.local(g) for g in grads]
         adamw_update_(
             members,
-            [unscaled(g, grad_scale) for g in grads],
+            [unscaled(g, grad_scale, group["maximize"]) for g in grads],
             states,
             lr=group["lr"] if group["fallback_lr"] is None else group["fallback_lr"],
             betas=group["fallback_betas"],

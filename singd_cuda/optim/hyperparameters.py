@@ -147,6 +147,7 @@ def common_checks() -> dict[str, Check]:
         norm_damping=number(),
         weight_rescale=flag,
         momentum_lr_ratio=number(optional=True),
+        maximize=flag,
         T=period,
     )
 

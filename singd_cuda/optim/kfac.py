@@ -246,6 +246,9 @@ class KFAC(KroneckerOptimizer):
         weight_rescale: rescale each preconditioned weight to norm √(2·d_out) after its
             update (default False).
         momentum_lr_ratio: None (default) or r: the momentum is set to r·lr at every step.
+        maximize: maximise the objective: each update is the one for the negated loss
+            (the gradients' sign flips; the curvature statistics do not depend on it;
+            ``.grad`` is left as it is) (default False).
         grad_scaler: the ``torch.amp.GradScaler`` in use, needed only when
             ``scaler.unscale_(opt)`` runs before ``scaler.step(opt)`` (default None).
         nonfinite: ``"warn"`` (default) or ``"raise"`` (``FloatingPointError``) when a
@@ -288,6 +291,7 @@ class KFAC(KroneckerOptimizer):
         norm_damping: float = 1e-3,
         weight_rescale: bool = False,
         momentum_lr_ratio: float | None = None,
+        maximize: bool = False,
         grad_scaler: torch.amp.GradScaler | None = None,
         nonfinite: str = "warn",
         process_group=None,
@@ -315,6 +319,7 @@ class KFAC(KroneckerOptimizer):
             norm_damping=norm_damping,
             weight_rescale=weight_rescale,
             momentum_lr_ratio=momentum_lr_ratio,
+            maximize=maximize,
         )
         defaults.update(checked_fallback(fallback))
         self._rule = KfacRule()

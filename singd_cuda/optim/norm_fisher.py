@@ -52,7 +52,9 @@ def norm_step(opt: Optimizer, grad_scale: Tensor | None) -> None:
         directions = [
             None
             if param.grad is None
-            else preconditioned(unscaled(param.grad, grad_scale), state, damping, rows)
+            else preconditioned(
+                unscaled(param.grad, grad_scale, group["maximize"]), state, damping, rows
+            )
             for param, state in zip(view.params, states, strict=True)
         ]
         sgd_update_(view.params, directions, states, group, opt._seed(group, layer.weight))

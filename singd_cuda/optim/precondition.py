@@ -15,6 +15,7 @@ from torch.optim import Optimizer
 from ..curvature.layers import Layer, gradient_matrix
 from ..structures.base import accumulation_dtype
 from .recipe import rescale_weight_
+from .write import gradient_factor
 
 
 def precondition_layers(
@@ -37,6 +38,8 @@ def precondition_layers(
         G = gradient_matrix(layer, accumulation_dtype(layer.weight.dtype))
         if grad_scale is not None:
             G = G / grad_scale.to(G.device, G.dtype)
+        if group["maximize"]:
+            G = G.neg()  # (never in place: G may be a view of the gradient)
         states = [opt.state[p] for p in layer.params]
         seed = opt._seed(group, layer.weight)
         rule.apply(layer, group, states, G, group["step"], seed, found_inf=found_inf)
@@ -49,8 +52,9 @@ def precondition_layers(
             inv_scale = grad_scale.to(members[0].weight.device, torch.float32).reciprocal()
         states = [[opt.state[p] for p in layer.params] for layer in members]
         seed = opt._seed(group, members[0].weight)
+        factor = gradient_factor(inv_scale, group, members[0].weight.device)
         opt.rule_for(group).apply_many(
-            members, group, states, inv_scale, group["step"], seed, found_inf=found_inf
+            members, group, states, factor, group["step"], seed, found_inf=found_inf
         )
         if group["weight_rescale"]:
             for layer in members:

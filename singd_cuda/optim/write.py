@@ -10,10 +10,26 @@ from .. import ops
 from ..structures.base import upcast
 
 
-def unscaled(grad: Tensor, grad_scale: Tensor | None) -> Tensor:
-    """grad / grad_scale in the accumulation dtype of grad's dtype (float32 for half types)."""
+def unscaled(grad: Tensor, grad_scale: Tensor | None, maximize: bool = False) -> Tensor:
+    """grad / grad_scale in the accumulation dtype of grad's dtype (float32 for half
+    types), negated with ``maximize`` (the gradient of the negated loss); never ``grad``
+    itself when it changes."""
     grad = upcast(grad)
-    return grad if grad_scale is None else grad / grad_scale.to(grad.device, grad.dtype)
+    if grad_scale is not None:
+        grad = grad / grad_scale.to(grad.device, grad.dtype)
+    return grad.neg() if maximize else grad
+
+
+def gradient_factor(inv_scale: Tensor | None, group: dict, device: torch.device) -> Tensor | None:
+    """What a group's gradients are multiplied by: ``inv_scale`` (a one-element tensor, the
+    inverse loss scale; None for 1), negated for a group with ``maximize``. A product by
+    −1 is exact, and rounding is symmetric in the sign, so a maximising step is bitwise
+    the step on the negated loss."""
+    if not group["maximize"]:
+        return inv_scale
+    if inv_scale is None:
+        return torch.full((), -1.0, dtype=torch.float32, device=device)
+    return inv_scale.neg()
 
 
 def sgd_update_(

@@ -8,12 +8,14 @@ import io
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from singd_cuda import KFAC, SINGD, AdaFisher
 
 from .validation_cases import (
     assert_same,
+    batch,
     make_model,
     make_optimizer,
     parameters,
@@ -166,3 +168,164 @@ def test_error_is_a_value_error_naming_the_fix(cls):
     opt = make_optimizer(name, make_model())
     with pytest.raises(ValueError, match=r"load a checkpoint saved by the same|structures="):
         opt.load_state_dict(checkpoint)
+
+
+# ------------------------------------------------------------------ values that do not fit
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_non_finite_factor_is_rejected(name, value):
+    checkpoint = saved(name)
+    state = checkpoint["state"][0]  # the first Linear's weight
+    key = next(k for k, v in sorted(state.items()) if isinstance(v, torch.Tensor))
+    state[key] = state[key].clone()
+    state[key].view(-1)[0] = value
+    model = make_model()
+    opt = make_optimizer(name, model)
+    train(model, opt, 1)
+    assert_rejected(opt, checkpoint, rf"non-finite values .*'{key}' of parameter 0 \('0.weight'\)")
+
+
+@pytest.mark.parametrize(("parameter", "key"), [(0, "momentum_buffer"), (2, "exp_avg_sq")])
+def test_a_non_finite_buffer_is_rejected(parameter, key):
+    """A layer's momentum, the AdamW fallback's moment of the LayerNorm weight."""
+    checkpoint = saved("singd-dense")
+    checkpoint["state"][parameter][key][0] = float("nan")
+    assert_rejected(make_optimizer("singd-dense", make_model()), checkpoint, "non-finite")
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.complex64, torch.bool])
+def test_a_state_tensor_of_a_non_float_dtype_is_rejected(dtype):
+    checkpoint = saved("adafisher")
+    state = checkpoint["state"][0]
+    state["h"] = state["h"].to(dtype)
+    opt = make_optimizer("adafisher", make_model())
+    assert_rejected(opt, checkpoint, rf"holds 'h' of dtype {dtype}")
+
+
+@pytest.mark.parametrize("step", [-1, 2.5, "2", None, True])
+def test_an_invalid_group_step_is_rejected(step):
+    checkpoint = saved("kfac")
+    checkpoint["param_groups"][0]["step"] = step
+    assert_rejected(make_optimizer("kfac", make_model()), checkpoint, r"has step .* integer >= 0")
+
+
+@pytest.mark.parametrize(
+    "mangle",
+    [
+        lambda c: c.pop("state"),
+        lambda c: c.pop("param_groups"),
+        lambda c: c["param_groups"][0].pop("params"),
+        lambda c: c.__setitem__("state", [c["state"]]),
+    ],
+)
+def test_a_malformed_state_dict_is_rejected(mangle):
+    checkpoint = saved("singd-dense")
+    mangle(checkpoint)
+    opt = make_optimizer("singd-dense", make_model())
+    assert_rejected(opt, checkpoint, r"not (an optimizer state_dict|a dict with a 'params')")
+
+
+# ----------------------------------------------------------- failed calls change nothing
+def test_a_failing_load_state_dict_post_hook_leaves_the_optimizer_as_it_was():
+    model = make_model()
+    opt = make_optimizer("singd-dense", model)
+    train(model, opt, 3)
+    checkpoint = saved("singd-dense")  # fits, after 2 steps
+
+    def refuse(optimizer):
+        raise RuntimeError("post-hook refuses")
+
+    opt.register_load_state_dict_post_hook(refuse)
+    assert_rejected_by(opt, checkpoint, RuntimeError, "post-hook refuses")
+
+
+def assert_rejected_by(opt, checkpoint, error, match) -> None:
+    before, groups = state_tensors(opt), [dict(g) for g in opt.param_groups]
+    with pytest.raises(error, match=match):
+        opt.load_state_dict(checkpoint)
+    assert_same(state_tensors(opt), before)
+    assert [dict(g) for g in opt.param_groups] == groups
+
+
+def backward_on(model, opt, seed: int) -> None:
+    opt.zero_grad()
+    x, y = batch(seed)
+    F.cross_entropy(model(x), y).backward()
+
+
+@pytest.mark.parametrize("name", ["singd-dense", "adafisher", "kfac"])
+def test_a_step_refused_for_a_hyperparameter_keeps_the_statistics(name):
+    """lr edited to -1 between backward and step: the step raises, changes nothing and
+    keeps the statistics of the backward, so the step after the fix is the step that
+    would have been."""
+    model, reference = make_model(), make_model()
+    opt, ref = make_optimizer(name, model), make_optimizer(name, reference)
+    train(model, opt, 1)
+    train(reference, ref, 2)
+    backward_on(model, opt, 1)
+    lr = opt.param_groups[0]["lr"]
+    opt.param_groups[0]["lr"] = -1.0
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: lr must be"):
+        opt.step()
+    opt.param_groups[0]["lr"] = lr
+    opt.step()
+    assert_same(parameters(model), parameters(reference))
+    assert_same(state_tensors(opt), state_tensors(ref))
+
+
+@pytest.mark.parametrize("name", ["singd-dense", "adafisher", "kfac"])
+def test_a_failed_add_param_group_keeps_the_statistics(name):
+    model, reference = make_model(), make_model()
+    opt = make_optimizer(name, model, params=model[0].parameters())
+    ref = make_optimizer(name, reference, params=reference[0].parameters())
+    train(model, opt, 1)
+    train(reference, ref, 2)
+    backward_on(model, opt, 1)
+    with pytest.raises(ValueError, match="lr must be"):
+        opt.add_param_group({"params": list(model[3].parameters()), "lr": -1.0})
+    assert len(opt.param_groups) == 1
+    opt.step()
+    assert_same(parameters(model), parameters(reference))
+    assert_same(state_tensors(opt), state_tensors(ref))
+
+
+def test_add_param_group_names_the_stale_parameter_not_the_new_one():
+    """A weight replaced in the model after construction: the error names the group
+    entry the optimizer already had, and the optimizer stays as it was."""
+    model = make_model()
+    opt = make_optimizer("singd-dense", model, params=model[0].parameters())
+    model[0].weight = nn.Parameter(model[0].weight.detach().clone())
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] .* no longer"):
+        opt.add_param_group({"params": list(model[3].parameters())})
+    assert len(opt.param_groups) == 1
+
+
+def test_load_state_dict_pre_hooks_run_before_the_check():
+    """torch.optim's pre-hooks may adapt a checkpoint: one that renames a key back makes
+    it fit; one that writes a NaN into it gets it refused."""
+    checkpoint = saved("singd-dense")
+    renamed = {**checkpoint, "state": {i: dict(s) for i, s in checkpoint["state"].items()}}
+    renamed["state"][0]["A"] = renamed["state"][0].pop("K")
+
+    def rename_back(optimizer, state_dict):
+        state_dict["state"][0]["K"] = state_dict["state"][0].pop("A")
+
+    opt = make_optimizer("singd-dense", make_model())
+    handle = opt.register_load_state_dict_pre_hook(rename_back)
+    opt.load_state_dict(renamed)
+    assert_same(state_tensors(opt), state_tensors(loaded("singd-dense", checkpoint)))
+    handle.remove()
+
+    def poison(optimizer, state_dict):
+        state = {i: dict(s) for i, s in state_dict["state"].items()}
+        state[0]["momentum_buffer"] = torch.full_like(state[0]["momentum_buffer"], torch.nan)
+        return {**state_dict, "state": state}
+
+    opt.register_load_state_dict_pre_hook(poison)
+    assert_rejected(opt, checkpoint, r"non-finite values .*'momentum_buffer' of parameter 0")
+
+
+def loaded(name: str, checkpoint: dict):
+    opt = make_optimizer(name, make_model())
+    opt.load_state_dict(checkpoint)
+    return opt
