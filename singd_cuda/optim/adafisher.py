@@ -449,7 +449,7 @@ class AdaFisher(KroneckerOptimizer):
         kfac_approx: ``"expand"`` (default: a row of a and g per position of a layer
             that shares its weight over positions, tokens or patches) or ``"reduce"``
             (K-FAC-reduce: a row per sample, the mean of its inputs and the sum of its
-            output gradients; docs/concepts/curvature.md).
+            output gradients; [docs/concepts/curvature.md](../concepts/curvature.md)).
         factor_dtype: storage dtype of the factors (None, default: the parameter dtype);
             float64, float32, bfloat16 or float16. Arithmetic accumulates in float32.
         stochastic_rounding: round bf16 parameter writes stochastically (default False).

@@ -632,7 +632,7 @@ class SINGD(KroneckerOptimizer):
         kfac_approx: ``"expand"`` (default: a row of a and g per position of a layer
             that shares its weight over positions, tokens or patches) or ``"reduce"``
             (K-FAC-reduce: a row per sample, the mean of its inputs and the sum of its
-            output gradients; docs/concepts/curvature.md).
+            output gradients; [docs/concepts/curvature.md](../concepts/curvature.md)).
         graft: None (default), ``"adam"`` or ``"rms"``: rescale each parameter's
             preconditioned gradient (before weight decay and momentum) to the norm of
             Adam's normalised gradient G/(√v̂ + ε) (β₂ and ε of the fallback; one

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from ..curvature.layers import Layer, bypassed_modules, is_supported
+from ..curvature.layers import Layer, bypassed_modules, is_supported, own_parameter
 from ..curvature.norm_layers import NORM_LAYERS
 
 NORMS = (*NORM_LAYERS, nn.RMSNorm, nn.LocalResponseNorm)  # and classes named "...Norm..."
@@ -150,7 +150,9 @@ def _reason(opt: Optimizer, module: nn.Module, held: dict[str, Tensor]) -> str:
 
 def _supported_reason(opt: Optimizer, module: nn.Module) -> str:
     """Why a module of a supported kind is left to the fallback (see find_layers)."""
-    weight = module.weight
+    weight = own_parameter(module, "weight")  # reading a parametrized one would run it
+    if weight is None:
+        return "weight parametrized"
     if id(weight) not in opt._param_group:
         return "weight not in params"
     if any(layer.weight is weight for layer in opt.layers):
