@@ -450,16 +450,16 @@ class KroneckerOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._refuse_sparse_gradients()  # before anything changes: the statistics stay
+        with_gradients = self._groups_with_gradients()  # before anything changes
         stepping = False
         try:
             # edited hyperparameters: a ValueError before anything changes (the statistics
             # captured since the last step stay for the next try)
             hyperparameters.check_step(self)
-            if self._sync is None and not any(self._has_gradients(g) for g in self.param_groups):
+            if self._sync is None and not any(with_gradients):
                 return loss  # as torch.optim: no gradient, no step (nothing changes)
             stepping = True
-            self._step()
+            self._step(with_gradients)
         except BaseException:
             if stepping:  # a refused edit keeps the statistics for the next try
                 self._skip("")
@@ -486,20 +486,26 @@ class KroneckerOptimizer(Optimizer):
 
         return step
 
-    def _refuse_sparse_gradients(self) -> None:
-        """RuntimeError for a sparse gradient (an embedding switched to ``sparse=True`` or
-        unfrozen after construction, which refuses the ones it sees)."""
-        params = (p for g in self.param_groups for p in g["params"])
-        sparse = [p for p in params if p.grad is not None and p.grad.layout != torch.strided]
-        if sparse:
-            raise RuntimeError(
-                f"{type(self).__name__} does not support sparse gradients (a parameter of "
-                f"shape {tuple(sparse[0].shape)} has one: an nn.Embedding or "
-                "nn.EmbeddingBag with sparse=True): use sparse=False, or train those "
-                "parameters with torch.optim.SparseAdam and leave them out of params="
-            )
+    def _groups_with_gradients(self) -> list[bool]:
+        """Per parameter group, whether any of its parameters has a gradient. RuntimeError
+        for a sparse gradient (an embedding switched to ``sparse=True`` or unfrozen after
+        construction, which refuses the ones it sees), so that the statistics stay."""
+        found = []
+        for group in self.param_groups:
+            with_grad = [p for p in group["params"] if p.grad is not None]
+            for p in with_grad:
+                if p.grad.layout != torch.strided:
+                    raise RuntimeError(
+                        f"{type(self).__name__} does not support sparse gradients (a "
+                        f"parameter of shape {tuple(p.shape)} has one: an nn.Embedding or "
+                        "nn.EmbeddingBag with sparse=True): use sparse=False, or train those "
+                        "parameters with torch.optim.SparseAdam and leave them out of params="
+                    )
+            found.append(bool(with_grad))
+        return found
 
-    def _step(self) -> None:
+    def _step(self, with_gradients: list[bool]) -> None:
+        """One step; ``with_gradients``: per group, whether it has a gradient."""
         self._report_late()
         grad_scale, stats_scale, found_inf = self._loss_scale()
         # gather: the statistics as one batch's, averaged over the ranks before any decision
@@ -539,17 +545,13 @@ class KroneckerOptimizer(Optimizer):
             self._sync.share_parameters()  # distribute_factors: the owners' layers
         norm_step(self, grad_scale)
         self._fallback_step(grad_scale, self._fallback_params, skip)
-        for group in self.param_groups:
+        for group, has_gradients in zip(self.param_groups, with_gradients, strict=True):
             # a group without gradients sits the step out (as torch.optim.AdamW counts a
             # parameter's steps); under torch.distributed every rank counts every step
-            if self._sync is not None or self._has_gradients(group):
+            if self._sync is not None or has_gradients:
                 group["step"] += 1
         self._forget_statistics()
         return None
-
-    @staticmethod
-    def _has_gradients(group: dict) -> bool:
-        return any(p.grad is not None for p in group["params"])
 
     def _check(self, found_inf: Tensor | None) -> None:
         """Refuse what the step cannot do (before any state changes), and raise the
