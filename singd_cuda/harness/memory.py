@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import structures as structure_registry
+from ..optim.fallback import moment_dtype
 from .models import gpt_tiny, resnet18, vit_tiny
 from .optimizers import OptimizerChoice
 
@@ -114,9 +115,7 @@ def formula_bytes(
     layers = [m for m in model.modules() if isinstance(m, nn.Linear | nn.Conv2d)]
     in_layers = {id(p) for m in layers for p in m.parameters(recurse=False)}
     total = sum(  # the fallback keeps float16 parameters' moments in float32
-        adamw(p, torch.float32 if p.dtype == torch.float16 else p.dtype)
-        for p in model.parameters()
-        if id(p) not in in_layers
+        adamw(p, moment_dtype(p)) for p in model.parameters() if id(p) not in in_layers
     )
     for module in layers:
         d_K, d_C = layer_dims(module)
@@ -131,7 +130,7 @@ def formula_bytes(
         total += entries * factor + tensor_bytes(params)
         if graft == "adam":
             total += sum(
-                p.numel() * (4 if p.dtype == torch.float16 else p.element_size()) for p in params
+                p.numel() * torch.empty((), dtype=moment_dtype(p)).element_size() for p in params
             )
     return total
 

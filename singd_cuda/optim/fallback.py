@@ -21,6 +21,12 @@ def in_fallback(state: dict) -> bool:
     return "exp_avg_sq" in state
 
 
+def moment_dtype(param: Tensor) -> torch.dtype:
+    """The dtype of an Adam moment of ``param``: its own, float32 for a float16 one ((1 − β₂)·g²
+    underflows float16's range, and v̂ = 0 makes the step m̂/ε explode)."""
+    return torch.float32 if param.dtype == torch.float16 else param.dtype
+
+
 def adam_directions(
     params: list[Tensor],
     grads: list[Tensor],
@@ -43,9 +49,8 @@ def adam_directions(
     for param, state in zip(params, states, strict=True):
         if "step" not in state:
             state["step"] = torch.zeros((), dtype=torch.float32)
-            dtype = torch.float32 if param.dtype == torch.float16 else param.dtype
-            state["exp_avg"] = torch.zeros_like(param, dtype=dtype)
-            state["exp_avg_sq"] = torch.zeros_like(param, dtype=dtype)
+            state["exp_avg"] = torch.zeros_like(param, dtype=moment_dtype(param))
+            state["exp_avg_sq"] = torch.zeros_like(param, dtype=moment_dtype(param))
         state["step"] += 1
     steps = [float(state["step"]) for state in states]
     beta1, beta2 = betas

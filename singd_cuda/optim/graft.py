@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from ..structures.base import upcast
+from .fallback import moment_dtype
 
 GRAFTS = (None, "adam", "rms")
 RMS_TARGET = 0.2
@@ -75,8 +76,7 @@ def _adam_norms(params, states, group, inv_scale, found_inf) -> list[Tensor]:
     beta2, eps = group["fallback_betas"][1], group["fallback_eps"]
     for param, state in zip(params, states, strict=True):
         if "graft_sq" not in state:
-            dtype = torch.float32 if param.dtype == torch.float16 else param.dtype
-            state["graft_sq"] = torch.zeros_like(param, dtype=dtype)
+            state["graft_sq"] = torch.zeros_like(param, dtype=moment_dtype(param))
             state["graft_step"] = 0
         state["graft_step"] += 1
     grads = [upcast(p.grad, p.dtype) for p in params]
