@@ -35,6 +35,9 @@ from .optimizers import (
     STRUCTURES,
     OptimizerChoice,
     expand,
+    label_name,
+    parse_value,
+    parse_variant,
 )
 from .peers import INSTALL_HINT, heavyball_available
 from .pool import default_workers, run_grid
@@ -111,23 +114,57 @@ def structure_arg(text: str) -> str:
     return text
 
 
+def variant_arg(text: str) -> str:
+    """An optimizer of the grid as given, ``"adamw"`` or a variant with fixed library
+    keywords, ``"singd+graft=adam+kfac_approx=reduce"``, once it parses."""
+    try:
+        parse_variant(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def lr_arg(text: str) -> tuple[str | None, float]:
-    """``"0.01"`` (every optimizer) or ``"singd=0.05"`` (one optimizer)."""
+    """``"0.01"`` (every optimizer), ``"singd=0.05"`` (every variant of one optimizer) or
+    ``"singd+graft=adam=3e-4"`` (one variant)."""
     name, _, value = text.rpartition("=")
-    if name and name not in OPTIMIZERS:
-        raise argparse.ArgumentTypeError(
-            f"unknown optimizer '{name}' in '{text}'; valid optimizers: {', '.join(OPTIMIZERS)}"
-        )
+    if name:
+        variant_arg(name)
     try:
         lr = float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"'{text}' is not a learning rate; use a number or NAME=NUMBER with NAME one of "
-            f"{', '.join(OPTIMIZERS)}"
+            f"{', '.join(OPTIMIZERS)} or a variant such as singd+graft=adam"
         ) from None
     if not lr > 0:
         raise argparse.ArgumentTypeError(f"learning rate must be positive, got '{text}'")
     return name or None, lr
+
+
+def grid_arg(text: str) -> tuple[str, tuple[dict[str, float], ...]]:
+    """``"singd+graft=adam=1e-4,3e-4,1e-3"``: (optimizer or variant, its lr trials)."""
+    target, _, values = text.rpartition("=")
+    try:
+        lrs = [float(v) for v in values.split(",")]
+    except ValueError:
+        lrs = []
+    if not target or not lrs or not all(lr > 0 for lr in lrs):
+        raise argparse.ArgumentTypeError(f"'{text}' is not OPT=LR,LR,... (e.g. adamw=3e-4,1e-3)")
+    variant_arg(target)
+    return target, tuple({"lr": lr} for lr in lrs)
+
+
+def prune_arg(text: str) -> tuple[float, float]:
+    """``"3.0@0.3"``: (held-out loss, fraction of the steps)."""
+    loss, _, fraction = text.partition("@")
+    try:
+        value = (float(loss), float(fraction))
+    except ValueError:
+        value = None
+    if value is None or not 0 < value[1] <= 1:
+        raise argparse.ArgumentTypeError(f"'{text}' is not LOSS@FRACTION (e.g. 3.0@0.3)")
+    return value
 
 
 def set_arg(text: str) -> tuple[str, str, float | str]:
@@ -140,12 +177,7 @@ def set_arg(text: str) -> tuple[str, str, float | str]:
             f"'{text}' is not OPT.KEY=VALUE with OPT one of {', '.join(OPTIMIZERS)} "
             "(e.g. singd.T=50, singd.fallback_lr=adamw)"
         )
-    for kind in (int, float):
-        try:
-            return name, key, kind(value)
-        except ValueError:
-            pass
-    return name, key, value
+    return name, key, parse_value(value)
 
 
 def positive_int(text: str) -> int:
@@ -205,9 +237,11 @@ def add_grid(p: argparse.ArgumentParser, tune: bool) -> None:
     p.add_argument(
         "--optimizers",
         nargs="+",
-        choices=list(OPTIMIZERS),
+        type=variant_arg,
         metavar="OPT",
-        help=f"of {', '.join(OPTIMIZERS)} (default: {', '.join(DEFAULT_GRID['optimizers'])})",
+        help=f"of {', '.join(OPTIMIZERS)} (default: {', '.join(DEFAULT_GRID['optimizers'])}); "
+        "a variant with fixed library keywords is NAME+KEY=VALUE[+KEY=VALUE], e.g. "
+        "singd+graft=adam or kfac+kfac_approx=reduce: a cell of its own",
     )
     p.add_argument(
         "--structures",
@@ -366,6 +400,36 @@ def tune_parser() -> argparse.ArgumentParser:
     )
     add_grid(p, tune=True)
     p.add_argument(
+        "--precision",
+        choices=list(PRECISIONS),
+        default="fp32",
+        help="the model precision of every trial (fp32 factors; default: fp32)",
+    )
+    p.add_argument(
+        "--grid",
+        nargs="+",
+        type=grid_arg,
+        default=[],
+        metavar="OPT=LR,LR,...",
+        help="the learning rates to try for one optimizer or variant (e.g. "
+        "singd+graft=adam=1e-4,3e-4,1e-3) instead of its table grid; every optimizer of "
+        "the sweep must have the same number of trials",
+    )
+    p.add_argument(
+        "--prune",
+        type=prune_arg,
+        metavar="LOSS@FRACTION",
+        help="stop a trial at its first evaluation at or after FRACTION of its steps whose "
+        "held-out loss is above LOSS (e.g. 3.0@0.3); it scores as failed. One rule for "
+        "every optimizer, recorded with the sweep",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the sweep in the --out folder: trials already in its runs.jsonl "
+        "are loaded, not run again",
+    )
+    p.add_argument(
         "--record",
         action="store_true",
         help="write the chosen values into singd_cuda/harness/tuned.py (the "
@@ -515,13 +579,31 @@ def run_tune(argv: list[str], name: str = "tune") -> tuple[Path, dict]:
     choices = expand(grid_values(args, "optimizers"), grid_values(args, "structures"))
     seeds = args.seeds or TUNE_SEEDS
     steps = steps_for(args, tasks, quick=False)
+    if args.resume and args.out is None:
+        parser.error("--resume needs --out, the folder of the sweep to continue")
+    grids = {}
+    for choice in choices:  # a variant's own --grid, else its optimizer's
+        given = dict(args.grid)
+        points = given.get(choice.variant, given.get(choice.name))
+        if points is not None:
+            grids[choice.label] = points
+    trials = {len(grids.get(c.label, OPTIMIZERS[c.name].tune_grid)) for c in choices}
+    if len(trials) > 1:
+        parser.error(
+            f"--grid gives the optimizers {sorted(trials)} trials; give every one the same "
+            "number (the tuning budget is equal)"
+        )
     out = output_folder(args, "tune-")
     say(
-        f"singd-harness tune: {len(tasks)} tasks x {len(choices)} optimizers x 6 trials x "
-        f"{len(seeds)} seeds, fp32"
+        f"singd-harness tune: {len(tasks)} tasks x {len(choices)} optimizers x "
+        f"{trials.pop()} trials x {len(seeds)} seeds, {args.precision}"
     )
-    specs = tuning.trial_specs(tasks, choices, steps, seeds)
-    results, elapsed = run_specs(specs, args, out)
+    specs = tuning.trial_specs(tasks, choices, steps, seeds, args.precision, grids, args.prune)
+    recorded = resume(out, specs) if args.resume else {}
+    todo = [s for s in specs if s not in recorded]
+    new, elapsed = run_specs(todo, args, out) if todo else ([], 0.0)
+    done = {**recorded, **{r.spec: r for r in new}}
+    results = [done[s] for s in specs]
     chosen, rows = tuning.choose(results)
     meta = {
         "command": command_line(name, argv),
@@ -541,18 +623,23 @@ def run_tune(argv: list[str], name: str = "tune") -> tuple[Path, dict]:
 
 def require_heavyball(parser: argparse.ArgumentParser, names: list[str]) -> None:
     """Exit with the fix when a chosen optimizer needs heavyball and it is missing."""
-    missing = [n for n in names if n in HEAVYBALL_OPTIMIZERS]
+    missing = [n for n in map(label_name, names) if n in HEAVYBALL_OPTIMIZERS]
     if missing and not heavyball_available():
         parser.error(f"{', '.join(missing)} need heavyball: {INSTALL_HINT}")
 
 
-def learning_rates(overrides: list[tuple[str | None, float]], name: str, hp: dict) -> dict:
-    """``hp`` with the --lr overrides that apply to optimizer ``name``, in order."""
+def learning_rates(overrides: list[tuple[str | None, float]], choice, hp: dict) -> dict:
+    """``hp`` with the --lr overrides that apply to ``choice`` (all, its optimizer, or
+    its variant), in order."""
     hp = dict(hp)
     for target, lr in overrides:
-        if target in (None, name):
+        if _targets(target, choice):
             hp["lr"] = lr
     return hp
+
+
+def _targets(target: str | None, choice: OptimizerChoice) -> bool:
+    return target in (None, choice.name, choice.variant)
 
 
 def build_specs(args, tasks, choices, steps) -> tuple[list[RunSpec], dict]:
@@ -562,14 +649,14 @@ def build_specs(args, tasks, choices, steps) -> tuple[list[RunSpec], dict]:
     for task in tasks:
         for choice in choices:
             hp, source = tuning.hparams_for(task, choice)
-            hp = learning_rates(args.lr, choice.name, hp)
-            if args.lr and any(t in (None, choice.name) for t, _ in args.lr):
+            hp = learning_rates(args.lr, choice, hp)
+            if any(_targets(t, choice) for t, _ in args.lr):
                 source = "--lr"
             changes = [(key, value) for name, key, value in args.set if name == choice.name]
             for key, value in changes:
                 if key == "fallback_lr" and value == "adamw":
                     adamw, _ = tuning.hparams_for(task, OptimizerChoice("adamw"))
-                    value = learning_rates(args.lr, "adamw", adamw)["lr"]
+                    value = learning_rates(args.lr, OptimizerChoice("adamw"), adamw)["lr"]
                 hp[key] = value
             if changes:
                 source += " + --set"
@@ -627,7 +714,7 @@ def report_markdown(meta: dict, table_cells: dict, settings: dict, tasks: list[s
     ]
     rows = []
     for (task, label), (hp, source) in settings.items():
-        name = label.split(":", 1)[0]
+        name = label_name(label)
         fixed = ", ".join(f"{k}={v}" for k, v in FIXED_SETTINGS[name].items()) or "—"
         hps = ", ".join(f"{k}={fmt_value(v)}" for k, v in sorted(hp.items()))
         rows.append([task, label, hps, source, fixed])
@@ -1054,17 +1141,19 @@ def result_from_record(r: dict) -> RunResult:
     """The :class:`RunResult` of one JSON run record (:func:`run_record`)."""
     spec = RunSpec(
         r["task"],
-        OptimizerChoice(r["optimizer"], r["structure"]),
+        OptimizerChoice(r["optimizer"], r["structure"], tuple(map(tuple, r.get("options", [])))),
         r["precision"],
         r["factor"],
         r["seed"],
         r["steps"],
         tuple(sorted(r["hparams"].items())),
+        tuple(r["prune"]) if r.get("prune") else None,
     )
     result = RunResult(spec)
     for name in ("train_loss", "eval_steps", "eval_loss", "eval_accuracy", "eval_seconds"):
         setattr(result, name, r[name])
     result.first_nonfinite_step = r["first_nonfinite_step"]
+    result.pruned_at = r.get("pruned_at")
     result.error = r["error"]
     result.state_bytes = r["state_bytes"]
     result.wall_s = r.get("wall_s", 0.0)

@@ -181,15 +181,29 @@ STRUCTURES = (
 
 @dataclass(frozen=True)
 class OptimizerChoice:
-    """One optimizer of the grid: a table entry name plus, for SINGD, a structure."""
+    """One optimizer of the grid: a table entry name plus, for SINGD, a structure, plus
+    fixed library keywords that make a variant (``options``, e.g. ``(("graft", "adam"),)``),
+    which the label carries so that a variant is a cell of its own."""
 
     name: str
     structure: str | None = None
+    options: tuple[tuple[str, object], ...] = ()
 
     @property
     def label(self) -> str:
-        """``"adamw"``, ``"singd:dense"``, ``"singd:block_diagonal:32"``, ..."""
-        return self.name if self.structure is None else f"{self.name}:{self.structure}"
+        """``"adamw"``, ``"singd:dense"``, ``"singd:block_diagonal:32+graft=adam"``, ..."""
+        base = self.name if self.structure is None else f"{self.name}:{self.structure}"
+        return base + self._suffix
+
+    @property
+    def variant(self) -> str:
+        """The label without the structure, as ``--optimizers`` names it:
+        ``"singd+graft=adam"``."""
+        return self.name + self._suffix
+
+    @property
+    def _suffix(self) -> str:
+        return "".join(f"+{key}={value}" for key, value in self.options)
 
     @property
     def has_factors(self) -> bool:
@@ -204,9 +218,10 @@ class OptimizerChoice:
         grad_scaler: torch.amp.GradScaler | None = None,
         loss_average: str = "batch",
     ) -> torch.optim.Optimizer:
-        """The optimizer for ``model`` with the tuned ``hparams`` (e.g. ``{"lr": 1e-3}``);
-        ``loss_average`` says over what the loss is a mean ("batch" or
-        "batch+sequence"), which sets the scale of the curvature statistics."""
+        """The optimizer for ``model`` with the variant's options and the tuned
+        ``hparams`` (e.g. ``{"lr": 1e-3}``) over them; ``loss_average`` says over what the
+        loss is a mean ("batch" or "batch+sequence"), which sets the scale of the
+        curvature statistics."""
         common = {}
         if self.has_factors:
             common = dict(
@@ -215,13 +230,47 @@ class OptimizerChoice:
                 grad_scaler=grad_scaler,
                 loss_average=loss_average,
             )
-        return OPTIMIZERS[self.name].build(model, self.structure, dict(hparams), **common)
+        hparams = {**dict(self.options), **hparams}
+        return OPTIMIZERS[self.name].build(model, self.structure, hparams, **common)
 
 
-def expand(names: list[str], structures: list[str]) -> list[OptimizerChoice]:
-    """The grid's optimizers: structured entries once per structure, in order."""
-    return [
-        OptimizerChoice(name, structure)
-        for name in names
-        for structure in (structures if OPTIMIZERS[name].structured else [None])
-    ]
+def parse_variant(text: str) -> tuple[str, tuple[tuple[str, object], ...]]:
+    """``"singd+graft=adam+kfac_approx=reduce"`` -> ``("singd", (("graft", "adam"),
+    ("kfac_approx", "reduce")))``; numbers become int or float. Raises ValueError naming
+    the fix on an unknown optimizer or a malformed option."""
+    name, *parts = text.split("+")
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer '{name}' in '{text}'; valid: {', '.join(OPTIMIZERS)}")
+    options = []
+    for part in parts:
+        key, _, value = part.partition("=")
+        if not key or not value:
+            raise ValueError(f"'{part}' in '{text}' is not KEY=VALUE (e.g. singd+graft=adam)")
+        options.append((key, parse_value(value)))
+    return name, tuple(options)
+
+
+def parse_value(text: str) -> object:
+    """A command-line value: an int, else a float, else the string itself."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def label_name(label: str) -> str:
+    """The table entry of a label: ``"singd:dense+graft=adam"`` -> ``"singd"``."""
+    return label.split("+", 1)[0].split(":", 1)[0]
+
+
+def expand(variants: list[str], structures: list[str]) -> list[OptimizerChoice]:
+    """The grid's optimizers (``"adamw"``, ``"singd+graft=adam"``, ...): structured
+    entries once per structure, in order."""
+    choices = []
+    for text in variants:
+        name, options = parse_variant(text)
+        for structure in structures if OPTIMIZERS[name].structured else [None]:
+            choices.append(OptimizerChoice(name, structure, options))
+    return choices

@@ -32,7 +32,10 @@ EVALUATIONS = 20
 @dataclass(frozen=True)
 class RunSpec:
     """One run of the grid. ``factor`` is a key of ``FACTOR_DTYPES`` or ``"-"`` (no
-    factors); ``hparams`` the tuned values as sorted (name, value) pairs."""
+    factors); ``hparams`` the tuned values as sorted (name, value) pairs; ``prune``
+    (loss, fraction), when given, stops the run at the first evaluation at or after
+    ``fraction`` of its steps whose held-out loss is above ``loss`` (a tuning trial that
+    cannot win; the same rule for every optimizer of a sweep)."""
 
     task: str
     optimizer: OptimizerChoice
@@ -41,6 +44,7 @@ class RunSpec:
     seed: int
     steps: int
     hparams: tuple[tuple[str, float], ...]
+    prune: tuple[float, float] | None = None
 
     @property
     def cell(self) -> tuple[str, str, str, str]:
@@ -68,6 +72,7 @@ class RunResult:
     eval_accuracy: list[float | None] = field(default_factory=list)
     eval_seconds: list[float] = field(default_factory=list)
     first_nonfinite_step: int | None = None
+    pruned_at: int | None = None
     error: str | None = None
     state_bytes: int = 0
     step_ms: list[float] = field(default_factory=list)
@@ -81,12 +86,15 @@ class RunResult:
 
     @property
     def stable(self) -> bool:
-        """No non-finite loss, no optimizer error, and no divergence."""
-        return self.first_nonfinite_step is None and not self.diverged
+        """No non-finite loss, no optimizer error, no divergence, and not pruned."""
+        return self.first_nonfinite_step is None and self.pruned_at is None and not self.diverged
 
     @property
     def status(self) -> str:
-        """``"stable"``, ``"diverged"``, ``"nan@<step>"`` or ``"error@<step>"``."""
+        """``"stable"``, ``"diverged"``, ``"nan@<step>"``, ``"error@<step>"`` or
+        ``"pruned@<step>"``."""
+        if self.pruned_at is not None:
+            return f"pruned@{self.pruned_at}"
         if self.first_nonfinite_step is not None:
             return f"{'error' if self.error else 'nan'}@{self.first_nonfinite_step}"
         return "diverged" if self.diverged else "stable"
@@ -201,7 +209,11 @@ def train(
         result.eval_seconds.append(seconds)
         if loss is None:
             result.first_nonfinite_step = at
-        return loss is not None
+            return False
+        if spec.prune is not None and at >= spec.prune[1] * spec.steps and loss > spec.prune[0]:
+            result.pruned_at = at
+            return False
+        return True
 
     try:
         optimizer = build_optimizer(task, spec, model, scaler)

@@ -16,7 +16,7 @@ from datetime import datetime
 from pathlib import Path
 
 from . import tuned
-from .optimizers import OPTIMIZERS, OptimizerChoice
+from .optimizers import OPTIMIZERS, OptimizerChoice, label_name
 from .report import markdown_table
 from .runner import RunResult, RunSpec
 
@@ -31,29 +31,39 @@ def hparams_for(task: str, choice: OptimizerChoice) -> tuple[dict[str, float], s
     if choice.label in table:
         return dict(table[choice.label]), "tuned"
     for label, values in table.items():
-        if OptimizerChoice(*label.split(":", 1)).name == choice.name:
+        if label_name(label) == choice.name:
             return dict(values), f"tuned for {label}"
     grid = OPTIMIZERS[choice.name].tune_grid
     return dict(grid[len(grid) // 2]), "untuned (middle of the grid)"
 
 
 def trial_specs(
-    tasks: list[str], choices: list[OptimizerChoice], steps: dict[str, int], seeds: list[int]
+    tasks: list[str],
+    choices: list[OptimizerChoice],
+    steps: dict[str, int],
+    seeds: list[int],
+    precision: str = "fp32",
+    grids: dict[str, tuple[dict[str, float], ...]] | None = None,
+    prune: tuple[float, float] | None = None,
 ) -> list[RunSpec]:
-    """Every trial of the sweep: fp32 model and factors, each grid point, each seed."""
+    """Every trial of the sweep: the model in ``precision`` with fp32 factors, each point
+    of the optimizer's grid (``grids[label]`` where given, else its table grid), each
+    seed; ``prune`` is :attr:`RunSpec.prune` for every trial alike."""
+    grids = grids or {}
     return [
         RunSpec(
             task,
             choice,
-            "fp32",
+            precision,
             "fp32" if choice.has_factors else "-",
             seed,
             steps[task],
             tuple(sorted(point.items())),
+            prune,
         )
         for task in tasks
         for choice in choices
-        for point in OPTIMIZERS[choice.name].tune_grid
+        for point in grids.get(choice.label, OPTIMIZERS[choice.name].tune_grid)
         for seed in seeds
     ]
 
@@ -72,7 +82,9 @@ def choose(results: list[RunResult]) -> tuple[dict, list[dict]]:
     rows, best = [], {}
     for (task, label, hparams), runs in groups.items():
         value = score(runs)
-        rows.append({"task": task, "label": label, **dict(hparams), "score": value})
+        status = ", ".join(sorted({r.status for r in runs if not r.stable}))
+        row = {"task": task, "label": label, **dict(hparams), "score": value, "status": status}
+        rows.append(row)
         current = best.get((task, label))
         if current is None or value < current[0]:
             best[(task, label)] = (value, dict(hparams))
@@ -86,11 +98,13 @@ def sweep_markdown(rows: list[dict], chosen: dict) -> str:
     """The sweep table: one row per trial, the chosen one marked."""
     body = []
     for row in rows:
-        hp = {k: v for k, v in row.items() if k not in ("task", "label", "score")}
+        hp = {k: v for k, v in row.items() if k not in ("task", "label", "score", "status")}
         mark = "**chosen**" if chosen[row["task"]][row["label"]] == hp else ""
-        value = "failed" if math.isinf(row["score"]) else f"{row['score']:.4f}"
+        value = f"{row['score']:.4f}"
+        if math.isinf(row["score"]):
+            value = row.get("status") or "failed"
         body.append([row["task"], row["label"], f"{hp['lr']:g}", value, mark])
-    headers = ["task", "optimizer", "lr", "final held-out loss (fp32)", ""]
+    headers = ["task", "optimizer", "lr", "final held-out loss", ""]
     return markdown_table(headers, body)
 
 
