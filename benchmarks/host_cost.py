@@ -18,6 +18,21 @@ Not counted: torch's own reads (foreach AdamW's of its CPU step counters; fused 
 GPU makes none) and the capture's int64 counters and tokens, which live on the host by
 design whatever the model's device.
 
+``floor``: a minimal optimizer written here, not a user-facing class (:class:`Floor`): a
+forward hook writing the input's column sums of squares into a preallocated buffer row, an
+output-gradient hook (``register_hook`` on the output) writing the other side's, and a
+``torch._foreach_`` step doing AdaFisher's diagonal work (EMAs, min-max normalisation,
+s' x h' + damping, momentum, the bias-corrected update). Every row is read against AdamW
+and against this floor. Per layer per iteration (whole iterations, forward + backward + step,
+over a few steady-state iterations, a whole number of T periods): Python and C function
+calls (``sys.setprofile``'s 'call' and 'c_call' events, C being builtins such as
+``list.append`` and torch's bindings; on a CPU the backward runs in the calling thread, so
+its hooks are counted); ``ops``, dispatcher ops (a ``TorchDispatchMode`` counting the ops
+that reach it: the top-level ops after autograd, backward included, custom ops as one, the
+ops a C++ kernel calls inside not seen); and ``GC / iter``, garbage collections per
+iteration (``gc.callbacks``, every generation, over 40 steady-state iterations of that
+competitor alone).
+
     python benchmarks/host_cost.py --out benchmarks/results/host_cost.md
     python benchmarks/host_cost.py --models tiny --steps 20  # quick look
 """
@@ -27,6 +42,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import gc
+import math
+import os
 import platform
 import shlex
 import statistics
@@ -40,6 +58,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -61,6 +80,7 @@ def optimizers() -> dict[str, tuple[int, Callable[[nn.Module], torch.optim.Optim
     """name -> (T, model -> optimizer); AdamW (foreach) is the baseline."""
     return {
         "AdamW (foreach)": (1, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=True)),
+        "floor (hooks into buffers + foreach step)": (1, lambda m: Floor(m, lr=1e-4)),
         "AdaFisher (T=1)": (1, lambda m: AdaFisher(m, lr=1e-4)),
         "AdaFisher (T=1), nonfinite='device'": (
             1,
@@ -75,7 +95,81 @@ def optimizers() -> dict[str, tuple[int, Callable[[nn.Module], torch.optim.Optim
         "SINGD block_diagonal:32 T=1": (1, lambda m: SINGD(m, lr=1e-4, T=1)),
         "SINGD block_diagonal:32 T=10": (10, lambda m: SINGD(m, lr=1e-4, T=10)),
         "K-FAC T=1 (between inversions)": (1, lambda m: KFAC(m, lr=1e-4, T=1, T_inv=10**9)),
+        "K-FAC T=1 (inverting every step)": (1, lambda m: KFAC(m, lr=1e-4, T=1, T_inv=1)),
     }
+
+
+class Floor:
+    """The floor: AdaFisher's diagonal work at T=1 with nothing else, for a model whose
+    layers are all ``nn.Linear`` of one shape (d_out, d_in) with a bias.
+
+    Per layer and pass, one reduction per side into its row of a preallocated (L, d)
+    buffer: the forward hook writes sum_n x² (L, d_in) and registers the output-gradient
+    hook, which writes sum_n g² (L, d_out). The step, per stacked buffer and over the
+    parameter lists: h <- γh + (1-γ)·mean x², s <- γs + (1-γ)·N·sum g² (a mean loss),
+    min-max normalised, F = s' ⊗ h' + λ (L, d_out, d_in + 1, the bias as column d_in),
+    m <- βm + (1-β)g and θ <- θ - lr·(m/(1-βᵗ))/F over ``torch._foreach_`` lists.
+    """
+
+    def __init__(self, model, lr, beta=0.9, gamma=0.8, damping=1e-2):
+        layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
+        d_out, d_in = layers[0].weight.shape
+        assert all(m.weight.shape == (d_out, d_in) and m.bias is not None for m in layers)
+        new = layers[0].weight.new_zeros
+        L = len(layers)
+        self.lr, self.beta, self.gamma, self.damping = lr, beta, gamma, damping
+        self.t, self.n = 0, 1  # the update count; the last batch size
+        self.h, self.h_new = new(L, d_in + 1), new(L, d_in + 1)
+        self.s, self.s_new = new(L, d_out), new(L, d_out)
+        self.h_norm, self.s_norm, self.F = new(L, d_in + 1), new(L, d_out), new(L, d_out, d_in + 1)
+        self.low, self.span = new(L, 1), new(L, 1)
+        self.params = [p for m in layers for p in (m.weight, m.bias)]
+        self.data = [p.detach() for p in self.params]  # written in place outside autograd
+        self.moms = [torch.zeros_like(p) for p in self.params]
+        self.scales = [v for i in range(L) for v in (self.F[i, :, :d_in], self.F[i, :, d_in])]
+        for i, layer in enumerate(layers):
+            layer.register_forward_hook(self._forward_hook(self.h_new[i, :d_in], self.s_new[i]))
+
+    def _forward_hook(self, in_row, out_row):
+        def grad_hook(g):
+            torch.sum(g.square(), 0, out=out_row)
+
+        def hook(module, inputs, output):
+            x = inputs[0].detach()
+            self.n = x.shape[0]
+            torch.sum(x.square(), 0, out=in_row)
+            output.register_hook(grad_hook)
+
+        return hook
+
+    def _normalise(self, v, out):
+        torch.aminmax(v, dim=1, keepdim=True, out=(self.low, self.span))
+        self.span.sub_(self.low).clamp_min_(torch.finfo(v.dtype).tiny)
+        torch.sub(v, self.low, out=out).div_(self.span)
+
+    def step(self):
+        self.h_new[:, -1].fill_(self.n)  # the bias column: sum_n 1²
+        self.h.mul_(self.gamma).add_(self.h_new, alpha=(1 - self.gamma) / self.n)
+        self.s.mul_(self.gamma).add_(self.s_new, alpha=(1 - self.gamma) * self.n)
+        self._normalise(self.h, self.h_norm)
+        self._normalise(self.s, self.s_norm)
+        torch.mul(self.s_norm.unsqueeze(2), self.h_norm.unsqueeze(1), out=self.F).add_(self.damping)
+        self.t += 1
+        torch._foreach_lerp_(self.moms, [p.grad for p in self.params], 1 - self.beta)
+        updates = torch._foreach_div(self.moms, self.scales)
+        torch._foreach_add_(self.data, updates, alpha=-self.lr / (1 - self.beta**self.t))
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts the ops that reach the Python dispatch key."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
 
 
 def build(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -188,6 +282,52 @@ class Competitor:
             del self.opt._verdict
         return 1e6 * statistics.median(gaps) if gaps else None
 
+    def counted_iterations(self) -> int:
+        """A whole number of T periods, at least 3 iterations."""
+        return self.T * math.ceil(3 / self.T)
+
+    def calls(self) -> tuple[float, float]:
+        """(Python function calls, C function calls) per iteration: the profile's 'call'
+        and 'c_call' events (builtins such as ``list.append`` and torch's ops are C)."""
+        counts = Counter()
+
+        def profile(frame, event, arg):
+            counts[event] += 1
+
+        iterations = self.counted_iterations()
+        sys.setprofile(profile)
+        try:
+            for _ in range(iterations):
+                self.iteration(timed=False)
+        finally:
+            sys.setprofile(None)
+        return counts["call"] / iterations, counts["c_call"] / iterations
+
+    def ops(self) -> float:
+        """Dispatcher ops per iteration."""
+        iterations = self.counted_iterations()
+        with _CountOps() as mode:
+            for _ in range(iterations):
+                self.iteration(timed=False)
+        return mode.count / iterations
+
+    def collections(self, iterations: int = 40) -> float:
+        """Garbage collections (any generation) per iteration."""
+        count = 0
+
+        def callback(phase, info):
+            nonlocal count
+            count += phase == "start"
+
+        gc.collect()
+        gc.callbacks.append(callback)
+        try:
+            for _ in range(iterations):
+                self.iteration(timed=False)
+        finally:
+            gc.callbacks.remove(callback)
+        return count / iterations
+
     def reads(self) -> Counter:
         """The library's device->host reads over one period of T steady-state iterations,
         by call site."""
@@ -228,8 +368,20 @@ def measure(model_name: str, steps: int) -> list[dict]:
             }
         )
     adamw = rows[0]["overhead_ms"]
+    floor = next(r for r in rows if r["optimizer"].startswith("floor"))["overhead_ms"]
+    plain_calls = plain.calls()
+    plain_counts = {
+        "py_calls": plain_calls[0] / layers,
+        "c_calls": plain_calls[1] / layers,
+        "ops": plain.ops() / layers,
+    }
     for row, c in zip(rows, competitors.values(), strict=True):
         row["per_layer_us"] = 1e3 * row["overhead_ms"] / layers
+        row["vs_floor"] = row["overhead_ms"] / floor
+        py_calls, c_calls = c.calls()
+        row["py_calls"], row["c_calls"] = py_calls / layers, c_calls / layers
+        row["ops"] = c.ops() / layers
+        row["gc"] = c.collections()
         # the part of the ratio the capture alone takes: what a step may cost is the rest
         row["capture_vs_adamw"] = row["capture_us"] / rows[0]["per_layer_us"]
         row["vs_adamw"] = row["overhead_ms"] / adamw
@@ -237,28 +389,41 @@ def measure(model_name: str, steps: int) -> list[dict]:
         row["reads"] = sum(sites.values())
         row["after_read_us"] = c.after_read_us(max(steps // 2, 1))
         row["read_sites"] = dict(sites.most_common())
-    return [{"plain_ms": base, **row} for row in rows]
+    return [
+        {"plain_ms": base, **{f"plain_{k}": v for k, v in plain_counts.items()}, **row}
+        for row in rows
+    ]
 
 
 def table(model_name: str, rows: list[dict], steps: int) -> list[str]:
     layers, width, batch, _ = MODELS[model_name]
     lines = [
         f"### {model_name}: {layers} x Linear({width}, {width}), batch {batch}, {steps} timed "
-        f"steps (plain forward + backward {rows[0]['plain_ms']:.2f} ms)",
+        f"steps (plain forward + backward {rows[0]['plain_ms']:.2f} ms, "
+        f"per layer {rows[0]['plain_py_calls']:.0f} Python + "
+        f"{rows[0]['plain_c_calls']:.0f} C calls and {rows[0]['plain_ops']:.0f} ops)",
         "",
-        "| optimizer | iteration ms | overhead ms | per layer µs | / AdamW | capture µs "
-        "| step µs | capture / AdamW | reads per T steps | after the read µs |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| optimizer | iteration ms | overhead ms | per layer µs | / AdamW | / floor | capture µs "
+        "| step µs | capture / AdamW | Python calls / layer | C calls / layer | ops / layer "
+        "| GC / iter "
+        "| reads per T steps | after the read µs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         after = "—" if r["after_read_us"] is None else f"{r['after_read_us']:.0f}"
         lines.append(
             f"| {r['optimizer']} | {r['iteration_ms']:.2f} | {r['overhead_ms']:.2f} | "
-            f"{r['per_layer_us']:.0f} | {r['vs_adamw']:.2f}x | {r['capture_us']:.0f} | "
-            f"{r['step_us']:.0f} | {r['capture_vs_adamw']:.2f}x | {r['reads']} | {after} |"
+            f"{r['per_layer_us']:.0f} | {r['vs_adamw']:.2f}x | {r['vs_floor']:.2f}x | "
+            f"{r['capture_us']:.0f} | {r['step_us']:.0f} | {r['capture_vs_adamw']:.2f}x | "
+            f"{r['py_calls']:.0f} | {r['c_calls']:.0f} | {r['ops']:.0f} | {r['gc']:.2f} | "
+            f"{r['reads']} | {after} |"
         )
     lines += [
         "",
+        "/ floor: the overhead over the floor's (the minimal optimizer above). Calls (Python "
+        "functions; C functions: builtins such as list.append and torch's bindings), ops per "
+        "layer and GC per iteration: whole iterations (forward + backward + step, the plain "
+        "model's counts included; amortized over T), steady state. "
         "Per layer: capture = forward + backward with the optimizer's hooks minus AdamW's "
         "(hook-free) forward + backward, amortized over T; step = the rest of the overhead. "
         "Capture / AdamW: the part of the ratio the capture alone takes (the floor while "
@@ -285,16 +450,20 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")  # LargeFactorWarning and friends are not the subject
+    start, load = time.time(), os.getloadavg()[0]
+    sections = []
+    for name in args.models.split(","):
+        sections += [*table(name, measure(name, args.steps), args.steps), ""]
     lines = [
         "# Host cost per layer",
         "",
         f"`python {' '.join(shlex.quote(a) for a in ['benchmarks/host_cost.py', *sys.argv[1:]])}`"
         f" — {datetime.date.today()}, torch {torch.__version__}, {platform.processor() or 'cpu'},"
-        " 1 thread",
+        f" 1 thread; load average before {load:.1f}, after {os.getloadavg()[0]:.1f}; run took "
+        f"{time.time() - start:.0f} s",
         "",
+        *sections,
     ]
-    for name in args.models.split(","):
-        lines += [*table(name, measure(name, args.steps), args.steps), ""]
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -48,6 +48,8 @@ RECORDS = {
     "depth.md": "depth.md",
     "compile.md": "compile.md",
     "host_cost.md": "host_cost.md",
+    "host_cost_2026-12-02.md": "host_cost_2026-12-02.md",
+    "models_iteration.md": "models_iteration.md",
     "defaults.md": "defaults.md",
     "defaults_models.md": "defaults_models.md",
     "fsdp.md": "fsdp.md",
