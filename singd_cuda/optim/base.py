@@ -567,11 +567,6 @@ class KroneckerOptimizer(Optimizer):
             raise NotImplementedError(
                 "weight_rescale=True is not supported with FSDP2-sharded parameters"
             )
-        if self._shards() is not None and any(g["graft"] for g in self.param_groups):
-            raise NotImplementedError(
-                "graft is not supported with FSDP2-sharded parameters yet (a sharded "
-                "weight's norm needs its rows' partial sums reduced); use graft=None"
-            )
         self._finite.reset()
         if found_inf is not None:
             self._finite.flag(found_inf.device, SCALER).copy_(found_inf.reshape(1))
