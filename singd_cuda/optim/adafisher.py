@@ -348,6 +348,9 @@ class AdaFisherRule(LayerRule):
     def fuses_apply(self, group: dict) -> bool:
         return True
 
+    def grafts(self, group: dict) -> bool:
+        return True
+
     def apply_many(self, layers, group, states, inv_scale, step: int, seed: int, found_inf=None):
         """:func:`singd_cuda.ops.diag_precond_step_` (mode "adafisher") over every layer:
         F̃ = s′ ⊗ h′ + λ is formed on the fly, never materialised.

@@ -148,6 +148,9 @@ class SingdRule(LayerRule):
     def fuses_apply(self, group: dict) -> bool:
         return True
 
+    def grafts(self, group: dict) -> bool:
+        return True
+
     def apply_many(self, layers, group, states, inv_scale, step: int, seed: int, found_inf=None):
         """Ĝ = (C Cᵀ) G (K Kᵀ) for every layer, then momentum SGD with weight decay on
         every parameter in one :func:`~singd_cuda.optim.write.sgd_update_` call; layers of
