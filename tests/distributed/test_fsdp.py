@@ -199,6 +199,16 @@ def test_fsdp_graft_matches_single_process_full_batch(graft_world, index):
     assert max_diff(plain["params"][:-2], ranks[0][:-2]) > 1e-4  # the graft acts
 
 
+@pytest.mark.parametrize("index", range(len(GRAFT_JOBS)), ids=list(GRAFT_JOBS))
+def test_fsdp_graft_adds_one_all_reduce_per_step(graft_world, index):
+    """The norms of a grafted group: one all-reduce per step, after the layers' own
+    collectives (the statistics' all-reduce on update steps, T = 2, and the flag's)."""
+    for result in (per_rank[index] for per_rank in graft_world):
+        for step, names in enumerate(result["collectives"]):
+            assert names.count("all_reduce") == (3 if step % 2 == 0 else 2), names
+            assert names[-1] == "all_reduce"
+
+
 HSDP = {
     "hsdp-singd-dense": dict(optimizer="singd", mesh=(2, 2), kwargs=_singd("dense")),
     "hsdp-adafisher": dict(

@@ -10,6 +10,7 @@ rescaled to the graft's norm, m ← βm + (1 − β)(graft(Ĝ) + γW), W ← W �
 
 from __future__ import annotations
 
+import io
 import math
 
 import pytest
@@ -263,3 +264,27 @@ def test_the_grafted_step_is_not_the_fused_one():
             opt.step()
     pairs = zip(plain.parameters(), grafted.parameters(), strict=True)
     assert max((a - b).abs().max() for a, b in pairs) > 1e-4
+
+
+def test_checkpoint_resume_equals_the_uninterrupted_run():
+    """The grafted AdaFisher's moments and counts travel in the state dict."""
+    data = batches()
+    whole, resumed = model(), model()
+    opt = AdaFisher(whole, lr=LR, graft="adam")
+    first = AdaFisher(resumed, lr=LR, graft="adam")
+    for i, (x, y) in enumerate(data):
+        for net, o in ((whole, opt), (resumed, first)) if i < 3 else ((whole, opt),):
+            o.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            o.step()
+    buffer = io.BytesIO()
+    torch.save(first.state_dict(), buffer)
+    buffer.seek(0)
+    second = AdaFisher(resumed, lr=LR, graft="adam")
+    second.load_state_dict(torch.load(buffer, weights_only=True))
+    for x, y in data[3:]:
+        second.zero_grad()
+        F.cross_entropy(resumed(x), y).backward()
+        second.step()
+    for a, b in zip(whole.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
