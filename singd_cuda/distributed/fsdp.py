@@ -34,7 +34,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ..curvature.layers import Layer, gradient_matrix
+from ..curvature.layers import Layer, gradient_matrix, split_matrix
+from ..optim.graft import graft_
 from ..optim.write import gradient_factor
 from ..structures.base import accumulation_dtype
 from . import comm
@@ -84,7 +85,7 @@ def row_slice(param: DTensor) -> slice:
 
 
 # state entries shaped like the parameter: kept as this rank's rows, DTensors in state_dicts
-SHARDED_KEYS = ("momentum_buffer", "exp_avg", "exp_avg_sq")
+SHARDED_KEYS = ("momentum_buffer", "exp_avg", "exp_avg_sq", "graft_sq")
 
 
 def sharded_state(param: Tensor, state: dict) -> dict:
@@ -226,9 +227,11 @@ class RowShards:
     # ------------------------------------------------------------------ step
     def step(self, entries: Sequence[ShardStep], inv_scale: Tensor | None) -> None:
         """Update this rank's rows of every layer of ``entries`` (gradients still scaled
-        by 1/``inv_scale``)."""
+        by 1/``inv_scale``). A grafted group's rows of Ĝ are computed first, rescaled by
+        :meth:`_graft` (norms over every rank's rows), then written."""
         shards = {id(e.layer): shard_of(e.layer) for e in entries}
-        gathered, by_owner = [], []
+        gathered, by_owner, naturals = [], [], {}
+        written = []  # the entries written here (not by apply_shard), in the same order
         for e in entries:
             shard = shards[id(e.layer)]
             for param, state in zip(shard.params, e.states, strict=True):
@@ -239,19 +242,60 @@ class RowShards:
             if e.rule.row_local(e.group):
                 step = e.group["step"]
                 factor = gradient_factor(inv_scale, e.group, e.layer.weight.device)
-                e.rule.apply_shard(e.layer, shard, e.group, e.states, factor, step, e.seed)
-            elif e.owner is None:
-                gathered.append(e)
+                if e.group["graft"] is None:
+                    e.rule.apply_shard(e.layer, shard, e.group, e.states, factor, step, e.seed)
+                    continue
+                written.append(e)
+                dtype = accumulation_dtype(e.layer.weight.dtype)
+                if shard.empty:  # natural_rows still counts the step (AdaFisher)
+                    G = torch.zeros(0, e.layer.dim_in, dtype=dtype, device=shard.weight.device)
+                else:
+                    G = gradient_matrix(shard, dtype)
+                if factor is not None:
+                    G = G * factor.to(G.dtype)
+                naturals[id(e.layer)] = e.rule.natural_rows(
+                    e.layer, e.group, e.states[0], G, shard.rows, step
+                )
             else:
-                by_owner.append(e)
+                (gathered if e.owner is None else by_owner).append(e)
+                written.append(e)
         if self.world == 1:  # one shard holds every row: nothing to gather or send
             gathered, by_owner = gathered + by_owner, []
-        naturals = self._gathered_naturals(gathered, shards, inv_scale)
+        naturals.update(self._gathered_naturals(gathered, shards, inv_scale))
         naturals.update(self._owned_naturals(by_owner, shards, inv_scale))
-        for e in gathered + by_owner:
+        self._graft(written, shards, naturals, inv_scale)
+        for e in written:
             shard = shards[id(e.layer)]
             if not shard.empty:
                 e.rule.apply_direction(shard, e.group, e.states, naturals[id(e.layer)], e.seed)
+
+    def _graft(self, entries, shards, naturals: dict[int, Tensor], inv_scale) -> None:
+        """:func:`~singd_cuda.optim.graft.graft_` of every grafted group's rows of Ĝ, in
+        place: the partial squared norms of all of a group's parameters summed over the
+        shard group in one all-reduce (a rank without rows of a layer adds zeros)."""
+        groups: dict[int, list[ShardStep]] = {}
+        for e in entries:
+            if e.group["graft"] is not None:
+                groups.setdefault(id(e.group), []).append(e)
+        for members in groups.values():
+            params, directions, states = [], [], []
+            for e in members:
+                shard = shards[id(e.layer)]
+                if shard.empty:  # no rows here: zeros to the sums
+                    dtype = accumulation_dtype(e.layer.weight.dtype)
+                    directions += [torch.zeros_like(p, dtype=dtype) for p in shard.params]
+                else:
+                    directions += split_matrix(shard, naturals[id(e.layer)])
+                params += shard.params
+                states += e.states
+            graft_(
+                params,
+                directions,
+                states,
+                members[0].group,
+                inv_scale,
+                reduce=lambda partial: dist.all_reduce(partial, group=self.group),
+            )
 
     def _padded_rows(self, e: ShardStep, shard: RowShard, inv_scale) -> Tensor:
         """This rank's rows of G (unscaled; negated under ``maximize``), zero-padded to the

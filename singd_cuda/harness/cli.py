@@ -476,6 +476,13 @@ def memory_parser() -> argparse.ArgumentParser:
         default="float32",
         help="dtype of the Kronecker factors (default: float32)",
     )
+    p.add_argument(
+        "--graft",
+        choices=["adam", "rms"],
+        default=None,
+        help="graft of the preconditioned optimizers' layers (kfac, adafisher, singd, "
+        "ikfac; default: none); 'adam' adds one second-moment buffer per weight and bias",
+    )
     return add_common(p, "memory-<timestamp>")
 
 
@@ -1174,12 +1181,12 @@ def run_memory(argv: list[str]) -> Path:
     out = output_folder(args, "memory-")
     say(
         f"singd-harness memory: {len(args.models)} models x {len(choices)} optimizers on "
-        f"{args.device}, factors in {args.factor_dtype}"
+        f"{args.device}, factors in {args.factor_dtype}, graft {args.graft}"
     )
     rows = []
     for model in args.models:
         for choice in choices:
-            rows.append(measure(model, choice, dtype, args.device))
+            rows.append(measure(model, choice, dtype, args.device, args.graft))
         say(f"  {model} done")
     tables = [memory_table(m, [r for r in rows if r.model == m]) for m in args.models]
     (out / "report.txt").write_text("\n\n".join(tables) + "\n")
@@ -1192,6 +1199,7 @@ def run_memory(argv: list[str]) -> Path:
         "device": str(args.device),
         "torch": torch.__version__,
         "factor_dtype": args.factor_dtype,
+        "graft": args.graft,
         "rows": [asdict(r) for r in rows],
     }
     (out / "memory.json").write_text(json.dumps(payload, indent=1))

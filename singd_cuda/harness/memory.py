@@ -14,8 +14,9 @@ output, +1 with a bias; d_C = outputs) and whose other parameters train with Ada
   the factor dtype, plus a momentum buffer per weight and bias in the parameter dtype;
 * K-FAC per layer: 2·(d_K² + d_C²) (A, A⁻¹, G, G⁻¹) in the factor dtype + momentum;
 * AdaFisher per layer: d_K + d_C (the diagonals h, s) in the factor dtype + exp_avg;
-* ``graft="adam"`` (SINGD, IKFAC, K-FAC): one more buffer per weight and bias, the
-  second moment, in the parameter dtype (float32 for float16 parameters);
+* ``graft="adam"`` (SINGD, IKFAC, K-FAC, AdaFisher): one more buffer per weight and
+  bias, the second moment, in the parameter dtype (float32 for float16 parameters), and
+  its count (a Python int, no tensor); ``graft="rms"`` stores nothing;
 * AdamW (and every fallback parameter): exp_avg + exp_avg_sq in the parameter dtype
   (the fallback's in float32 for float16 parameters) and a 4-byte float32 step.
 
@@ -43,6 +44,8 @@ from .optimizers import OptimizerChoice
 ADAMW_STEP_BYTES = 4
 #: The optimizers :func:`formula_bytes` has a formula for.
 FORMULA_OPTIMIZERS = ("adamw", "kfac", "adafisher", "singd", "ikfac")
+#: The optimizers that take ``graft`` (the preconditioned layers').
+GRAFTED_OPTIMIZERS = ("kfac", "adafisher", "singd", "ikfac")
 
 
 def tensor_bytes(obj) -> int:
@@ -158,6 +161,7 @@ class MemoryRow:
 
     model: str
     label: str
+    graft: str | None
     parameters: int
     measured_bytes: int
     formula_bytes: int | None
@@ -181,14 +185,22 @@ def _saved_activation_bytes(run: Callable[[], None]) -> int:
 
 
 def measure(
-    model_name: str, choice: OptimizerChoice, factor_dtype: torch.dtype, device: torch.device
+    model_name: str,
+    choice: OptimizerChoice,
+    factor_dtype: torch.dtype,
+    device: torch.device,
+    graft: str | None = None,
 ) -> MemoryRow:
-    """One training step of ``choice`` on a fresh ``model_name`` with a batch of 2."""
+    """One training step of ``choice`` on a fresh ``model_name`` with a batch of 2; the
+    preconditioned layers with ``graft`` (:data:`GRAFTED_OPTIMIZERS`; the others as
+    they are, the row's graft None)."""
     build, batch = MEMORY_MODELS[model_name]
     torch.manual_seed(0)
     model = build().to(device)
     x, y = (t.to(device) for t in batch(torch.Generator().manual_seed(0)))
-    optimizer = choice.build(model, {"lr": 1e-3}, factor_dtype)
+    graft = graft if choice.name in GRAFTED_OPTIMIZERS else None
+    hparams = {"lr": 1e-3} if graft is None else {"lr": 1e-3, "graft": graft}
+    optimizer = choice.build(model, hparams, factor_dtype)
     holder: dict[str, Tensor] = {}
 
     def forward() -> None:
@@ -212,10 +224,11 @@ def measure(
         method = "estimate: params + grads + state + saved activations"
     return MemoryRow(
         model=model_name,
-        label=choice.label,
+        label=choice.label if graft is None else f"{choice.label} graft={graft}",
+        graft=graft,
         parameters=sum(p.numel() for p in params),
         measured_bytes=measured,
-        formula_bytes=formula_bytes(model, choice, factor_dtype),
+        formula_bytes=formula_bytes(model, choice, factor_dtype, graft),
         peak_bytes=peak,
         peak_method=method,
     )

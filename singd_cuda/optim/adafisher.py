@@ -21,13 +21,15 @@ import torch
 from torch import Tensor, nn
 
 from .. import ops
-from ..curvature.layers import Layer
+from ..curvature.layers import Layer, gradient_matrix, split_matrix
 from ..structures.base import accumulation_dtype
 from . import hyperparameters as hp
 from .base import KroneckerOptimizer, checked_fallback
 from .derived import DerivedCache
+from .graft import graft_
 from .rule import LayerRule, scheduled
 from .scale_out import DEFAULT_BUCKET_CAP_MB
+from .write import adam_update_
 
 ADAFISHER = "adafisher"
 
@@ -224,6 +226,11 @@ def normalise_scratch(like: Tensor) -> Tensor:
     return torch.tensor([0.0, 0.0, 0.0, 1.0], dtype=like.dtype, device=like.device)
 
 
+def preconditioned(G: Tensor, s: Tensor, h: Tensor, damping: float) -> Tensor:
+    """Ĝ = G / (s′ ⊗ h′ + λ): G (d_C, d_K) unscaled, s′ (d_C) and h′ (d_K) in G's dtype."""
+    return G / torch.outer(s, h).add_(damping)
+
+
 def _normalised(s: Tensor, h: Tensor, acc: torch.dtype, out: tuple | None) -> tuple:
     """(s′, h′, scratch): the min–max normalised EMAs in ``acc``, into ``out`` if given."""
     if out is None:
@@ -341,6 +348,9 @@ class AdaFisherRule(LayerRule):
     def fuses_apply(self, group: dict) -> bool:
         return True
 
+    def grafts(self, group: dict) -> bool:
+        return True
+
     def apply_many(self, layers, group, states, inv_scale, step: int, seed: int, found_inf=None):
         """:func:`singd_cuda.ops.diag_precond_step_` (mode "adafisher") over every layer:
         F̃ = s′ ⊗ h′ + λ is formed on the fly, never materialised.
@@ -348,7 +358,11 @@ class AdaFisherRule(LayerRule):
         The bias correction 1/(1 − βᵗ) counts each layer's own updates (``state["step"]``),
         as Adam counts each parameter's: a layer first used late gets a normal first step.
         Layers with equal counts share one op call (one call when all started together).
+        With ``graft`` the step is split instead (:meth:`_apply_grafted`).
         """
+        if group["graft"] is not None:
+            self._apply_grafted(layers, group, states, inv_scale, step, seed, found_inf)
+            return
         by_count: dict[int, tuple[int, DiagonalBatch]] = {}
         stale: list[tuple[Tensor, Tensor]] = []  # (s or h, its s′ or h′ buffer) to refresh
         for position, (layer, layer_states) in enumerate(zip(layers, states, strict=True)):
@@ -361,6 +375,38 @@ class AdaFisherRule(LayerRule):
         for count, (position, batch) in by_count.items():
             # the first layer's position: distinct random bits
             self._step_batch(batch, group, inv_scale, step, count, seed + position, found_inf)
+
+    def _apply_grafted(self, layers, group, states, inv_scale, step: int, seed: int, found_inf):
+        """``graft`` (:mod:`.graft`): Ĝ = G / F̃ of every layer, each parameter's part
+        rescaled to the graft's norm, then the Adam-style write of the grafted directions
+        (:func:`~.write.adam_update_`): m ← βm + (1 − β)(graft(Ĝ) + γW), W ← W − lr·m̂.
+        Not the fused op, which averages G before preconditioning: the graft sets the
+        norm of the preconditioned gradient before the momentum, as for SINGD and K-FAC.
+        No per-entry bound of the step by lr either: the graft sets the step's size."""
+        params, directions, param_states = [], [], []
+        by_count: dict[int, tuple[int, list[int]]] = {}  # count -> (first layer, parameters)
+        damping = scheduled(group["damping"], step)
+        for position, (layer, layer_states) in enumerate(zip(layers, states, strict=True)):
+            s, h = self._counted_scales(layer, layer_states[0])
+            G = gradient_matrix(layer, s.dtype)
+            if inv_scale is not None:  # (never in place: G may be a view of the gradient)
+                G = G * inv_scale.to(G.dtype)
+            members = by_count.setdefault(layer_states[0]["step"], (position, []))[1]
+            members.extend(range(len(params), len(params) + len(layer.params)))
+            params += layer.params
+            directions += split_matrix(layer, preconditioned(G, s, h, damping))
+            param_states += layer_states
+        graft_(params, directions, param_states, group, inv_scale, found_inf)
+        for count, (position, members) in by_count.items():
+            adam_update_(
+                [params[i] for i in members],
+                [directions[i] for i in members],
+                [param_states[i] for i in members],
+                group,
+                count,
+                seed + position,
+                found_inf,
+            )
 
     def _counted_scales(
         self, layer: Layer, state: dict, stale: list | None = None
@@ -408,6 +454,18 @@ class AdaFisherRule(LayerRule):
     def shard_buffers(self, group: dict) -> tuple[str, ...]:
         return ("exp_avg",)
 
+    def natural_rows(self, layer, group, state, G: Tensor, rows: slice, step: int) -> Tensor:
+        """Rows ``rows`` of Ĝ = G / F̃ (G holds only those rows; the grafted FSDP2 step),
+        counting one more update of the layer (called on every rank, rows or not)."""
+        s, h = self._counted_scales(layer, state)
+        return preconditioned(G, s[rows], h, scheduled(group["damping"], step))
+
+    def apply_direction(self, shard, group, states, natural: Tensor, seed: int) -> None:
+        """The Adam-style write along the shard's rows of the (grafted) Ĝ, with the
+        layer's count that :meth:`natural_rows` advanced."""
+        directions = split_matrix(shard, natural)
+        adam_update_(shard.params, directions, states, group, states[0]["step"], seed)
+
     def apply_shard(self, layer, shard, group, states, inv_scale, step: int, seed: int):
         """This rank's rows: the same op with their slice of s′ (h′ whole)."""
         s, h = self._counted_scales(layer, states[0])
@@ -450,6 +508,12 @@ class AdaFisher(KroneckerOptimizer):
             that shares its weight over positions, tokens or patches) or ``"reduce"``
             (K-FAC-reduce: a row per sample, the mean of its inputs and the sum of its
             output gradients; [docs/concepts/curvature.md](../concepts/curvature.md)).
+        graft: None (default), ``"adam"`` or ``"rms"``: rescale each parameter's
+            preconditioned gradient G / F̃ to the norm of Adam's normalised gradient (one
+            second-moment buffer per weight and bias) or to RMS 0.2, before the first
+            moment and weight decay (the step then leaves the fused op, averages the
+            grafted directions and is not bounded by lr per entry); see
+            :mod:`singd_cuda.optim.graft`.
         factor_dtype: storage dtype of the factors (None, default: the parameter dtype);
             float64, float32, bfloat16 or float16. Arithmetic accumulates in float32.
         stochastic_rounding: round bf16 parameter writes stochastically (default False).
@@ -489,6 +553,7 @@ class AdaFisher(KroneckerOptimizer):
         loss_average: str | None = "batch",
         batch_dim: int | None = None,
         kfac_approx: str = "expand",
+        graft: str | None = None,
         factor_dtype: torch.dtype | None = None,
         stochastic_rounding: bool = False,
         maximize: bool = False,
@@ -510,6 +575,7 @@ class AdaFisher(KroneckerOptimizer):
             loss_average=loss_average,
             batch_dim=batch_dim,
             kfac_approx=kfac_approx,
+            graft=graft,
             factor_dtype=factor_dtype,
             stochastic_rounding=stochastic_rounding,
             maximize=maximize,
@@ -535,7 +601,6 @@ class AdaFisher(KroneckerOptimizer):
             # the min–max normalised F̃ has a zero entry: only the damping keeps it invertible
             "damping": hp.number(positive=True),
             "decoupled_weight_decay": hp.flag,
-            "graft": hp.no_graft,
         }
 
     def rule_for(self, group: dict) -> LayerRule:

@@ -159,6 +159,19 @@ class KroneckerOptimizer(Optimizer):
         """Raise ValueError for invalid hyperparameters of a group; remember its values so
         that :meth:`step` re-validates it when one changes (:mod:`.hyperparameters`)."""
         hyperparameters.accept(self, group)
+        self._check_graft(group)
+
+    def _check_graft(self, group: dict) -> None:
+        """ValueError for a ``graft`` the group's rule would not apply (``rule.grafts``)."""
+        rule = self.rule_for(group)
+        if group["graft"] is None or rule.grafts(group):
+            return
+        raise ValueError(
+            f"graft={group['graft']!r}: {type(rule).__name__} writes the parameters in apply() "
+            "without grafting; graft its directions there with singd_cuda.optim.graft.graft_ "
+            "(grads=split_matrix(layer, G)) and return True from its grafts(group), or use "
+            "graft=None"
+        )
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group; after construction its layers are found and hooked too (call it
@@ -567,11 +580,8 @@ class KroneckerOptimizer(Optimizer):
             raise NotImplementedError(
                 "weight_rescale=True is not supported with FSDP2-sharded parameters"
             )
-        if self._shards() is not None and any(g["graft"] for g in self.param_groups):
-            raise NotImplementedError(
-                "graft is not supported with FSDP2-sharded parameters yet (a sharded "
-                "weight's norm needs its rows' partial sums reduced); use graft=None"
-            )
+        for group in self.param_groups:  # (a graft set since construction)
+            self._check_graft(group)
         self._finite.reset()
         if found_inf is not None:
             self._finite.flag(found_inf.device, SCALER).copy_(found_inf.reshape(1))

@@ -21,6 +21,7 @@ lr·buf with buf ← α₂ buf + graft(Ĝ) + γW.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -39,6 +40,9 @@ def graft_(
     group: dict,
     inv_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
+    *,
+    grads: list[Tensor] | None = None,
+    reduce: Callable[[Tensor], None] | None = None,
 ) -> None:
     """Rescale each direction (Ĝ_p, unscaled, shaped like its parameter) in place to the
     group's graft norm; no-op for ``graft=None`` and for parameters without a gradient.
@@ -46,6 +50,11 @@ def graft_(
     ``inv_scale``: None or 1/loss scale (the gradients ``.grad`` still carry the scale);
     ``found_inf``: None or a one-element tensor, > 0: the step is skipped, the buffers
     keep their values (selected on the device). A direction of norm 0 stays 0.
+    ``grads``: the unscaled gradients (shaped like ``params``) to use instead of
+    ``.grad`` x ``inv_scale`` (a rule's :meth:`~.rule.LayerRule.apply` has them).
+    ``reduce``: for parameters sharded by rows (FSDP2), an in-place sum over the ranks
+    holding the other rows of a 1-D float64 tensor of partial sums (the squared norms and
+    sizes of this rank's rows); every rank must call it with the same parameters.
     """
     graft = group["graft"]
     if graft is None:
@@ -56,13 +65,21 @@ def graft_(
     d = [directions[i] for i in trained]
     norms = torch._foreach_norm(d)
     if graft == "rms":
-        targets = [
-            torch.full_like(n, RMS_TARGET * math.sqrt(d[j].numel())) for j, n in enumerate(norms)
-        ]
+        sizes = [torch.full_like(n, d[j].numel()) for j, n in enumerate(norms)]
+        if reduce is not None:
+            norms, sizes = _over_ranks(reduce, norms, sizes, squared=False)
+        targets = torch._foreach_mul(torch._foreach_sqrt(sizes), RMS_TARGET)
     else:
         targets = _adam_norms(
-            [params[i] for i in trained], [states[i] for i in trained], group, inv_scale, found_inf
+            [params[i] for i in trained],
+            [states[i] for i in trained],
+            group,
+            inv_scale,
+            found_inf,
+            None if grads is None else [grads[i] for i in trained],
         )
+        if reduce is not None:
+            norms, targets = _over_ranks(reduce, norms, targets, squared=True)
     tiny = torch.finfo(norms[0].dtype).tiny
     factors = torch._foreach_div(
         [t.to(n.dtype) for t, n in zip(targets, norms, strict=True)],
@@ -71,17 +88,39 @@ def graft_(
     torch._foreach_mul_(d, factors)
 
 
-def _adam_norms(params, states, group, inv_scale, found_inf) -> list[Tensor]:
-    """‖G_p / (√v̂_p + ε)‖ of each parameter, updating its second moment."""
+def _over_ranks(
+    reduce: Callable[[Tensor], None], norms: list[Tensor], others: list[Tensor], squared: bool
+) -> tuple[list[Tensor], list[Tensor]]:
+    """(norms, others) of whole parameters from this rank's rows: one ``reduce`` sums the
+    squared norms and ``others`` (squared too when ``squared``: norms; else sizes)."""
+    n = len(norms)
+    local = torch.stack([t.to(torch.float64) for t in (*norms, *others)])
+    end = len(local) if squared else n
+    local[:end] = local[:end].square()
+    reduce(local)
+    local[:end] = local[:end].sqrt()
+    values = local.unbind()
+    return (
+        [v.to(x.dtype) for v, x in zip(values[:n], norms, strict=True)],
+        [v.to(x.dtype) for v, x in zip(values[n:], others, strict=True)],
+    )
+
+
+def _adam_norms(params, states, group, inv_scale, found_inf, grads) -> list[Tensor]:
+    """‖G_p / (√v̂_p + ε)‖ of each parameter, updating its second moment (``grads``: the
+    unscaled G_p, or None to take ``.grad`` x ``inv_scale``)."""
     beta2, eps = group["fallback_betas"][1], group["fallback_eps"]
     for param, state in zip(params, states, strict=True):
         if "graft_sq" not in state:
             state["graft_sq"] = torch.zeros_like(param, dtype=moment_dtype(param))
             state["graft_step"] = 0
         state["graft_step"] += 1
-    grads = [upcast(p.grad, p.dtype) for p in params]
-    if inv_scale is not None:
-        grads = torch._foreach_mul(grads, inv_scale.to(grads[0].device, grads[0].dtype))
+    if grads is not None:
+        grads = [upcast(g, p.dtype) for g, p in zip(grads, params, strict=True)]
+    else:
+        grads = [upcast(p.grad, p.dtype) for p in params]
+        if inv_scale is not None:
+            grads = torch._foreach_mul(grads, inv_scale.to(grads[0].device, grads[0].dtype))
     buffers = [state["graft_sq"] for state in states]
     v = torch._foreach_mul([upcast(b) for b in buffers], beta2)
     torch._foreach_addcmul_(v, grads, grads, value=1.0 - beta2)

@@ -94,16 +94,6 @@ def one_of(options: tuple) -> Check:
     return check
 
 
-def no_graft(key: str, value: Any) -> Any:
-    """None: AdaFisher's fused update takes no graft (yet)."""
-    if value is None:
-        return value
-    raise ValueError(
-        f"{key}={value!r} is not supported by AdaFisher (structures='adafisher') yet: its "
-        "update is one fused pass; use graft=None"
-    )
-
-
 def flag(key: str, value: Any) -> Any:
     if isinstance(value, bool):
         return value

@@ -135,11 +135,22 @@ class KfacRule(LayerRule):
                     state[f"{key}_inv"].copy_(damped_inverse(state[key], root, group["inverse"]))
 
     def apply(self, layer, group, states, G: Tensor, step: int, seed: int, found_inf=None):
-        """G_inv ∇W A_inv, then momentum SGD with weight decay."""
-        natural = _natural(states[0], G)
-        sgd_update_(layer.params, split_matrix(layer, natural), states, group, seed, found_inf)
+        """G_inv ∇W A_inv, grafted, then momentum SGD with weight decay."""
+        directions = split_matrix(layer, _natural(states[0], G))
+        graft_(
+            layer.params,
+            directions,
+            states,
+            group,
+            found_inf=found_inf,
+            grads=split_matrix(layer, G),
+        )
+        sgd_update_(layer.params, directions, states, group, seed, found_inf)
 
     def fuses_apply(self, group: dict) -> bool:
+        return True
+
+    def grafts(self, group: dict) -> bool:
         return True
 
     def apply_many(self, layers, group, states, inv_scale, step: int, seed: int, found_inf=None):

@@ -95,6 +95,15 @@ class LayerRule(ABC):
         """
         raise NotImplementedError
 
+    def grafts(self, group: dict) -> bool:
+        """True when the rule's writes apply the group's ``graft`` (:mod:`.graft`; the
+        optimizer refuses a graft the rule does not apply, instead of ignoring it). A rule
+        whose :meth:`apply` writes the parameters grafts its directions there with
+        ``graft_(layer.params, directions, states, group, found_inf=found_inf,
+        grads=split_matrix(layer, G))`` before the write. Under FSDP2 the optimizer grafts
+        the rows of :meth:`natural_rows` itself, before :meth:`apply_direction`."""
+        return False
+
     # Hooks for distributed training (singd_cuda.distributed); the defaults suit rules
     # whose statistics never read the layer state.
     # Fused diagonal paths (singd_cuda.ops): rules whose statistics are column sums of

@@ -26,7 +26,7 @@ from .adafisher import ADAFISHER, AdaFisherRule, DiagonalBatch, DiagonalViews
 from .base import KroneckerOptimizer, checked_fallback
 from .derived import DerivedCache, GroupCache
 from .factor_memory import warn_large_factors
-from .graft import GRAFTS, graft_
+from .graft import graft_
 from .grouped import StackedProduct, partition, stacked_gradients
 from .rule import LayerRule, scheduled
 from .scale_out import DEFAULT_BUCKET_CAP_MB
@@ -146,6 +146,9 @@ class SingdRule(LayerRule):
             pending["in"], pending["out"] = H_K, H_C
 
     def fuses_apply(self, group: dict) -> bool:
+        return True
+
+    def grafts(self, group: dict) -> bool:
         return True
 
     def apply_many(self, layers, group, states, inv_scale, step: int, seed: int, found_inf=None):
@@ -763,7 +766,6 @@ class SINGD(KroneckerOptimizer):
             "normalize_lr_cov": hp.flag,
             "warm_start": hp.flag,
             "decoupled_weight_decay": hp.flag,
-            "graft": hp.no_graft if adafisher else hp.one_of(GRAFTS),
         }
 
     def unused_hyperparameters(self, group: dict) -> set[str]:

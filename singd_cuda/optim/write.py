@@ -81,3 +81,46 @@ def sgd_update_(
         seed=seed,
         found_inf=found_inf,
     )
+
+
+def adam_update_(
+    params: list[Tensor],
+    directions: list[Tensor | None],
+    states: list[dict],
+    group: dict,
+    count: int,
+    seed: int,
+    found_inf: Tensor | None = None,
+) -> None:
+    """AdaFisher's Adam-style write along given directions on the parameters that have a
+    gradient, in one :func:`singd_cuda.ops.adam_epilogue_` call: m ← βm + (1 − β)(d + γW)
+    (γW when ``decoupled_weight_decay`` is False), W ← W − lr·m / (1 − βᶜᵒᵘⁿᵗ) (decoupled:
+    W ← (1 − lr·γ)W first), β = the group's ``momentum``.
+
+    ``directions``, ``seed``, ``found_inf``: as :func:`sgd_update_`; ``states``: the first
+    moment ``state["exp_avg"]`` (the parameter's dtype) is created as zeros when missing;
+    ``count``: the 1-based count of the bias correction.
+    """
+    trained = [
+        (p, upcast(d, p.dtype), s)
+        for p, d, s in zip(params, directions, states, strict=True)
+        if p.grad is not None
+    ]
+    if not trained:
+        return
+    for p, _, s in trained:
+        if "exp_avg" not in s:
+            s["exp_avg"] = torch.zeros_like(p)
+    ops.adam_epilogue_(
+        [p for p, _, _ in trained],
+        [d for _, d, _ in trained],
+        [s["exp_avg"] for _, _, s in trained],
+        lr=group["lr"],
+        beta=group["momentum"],
+        step=count,
+        weight_decay=group["weight_decay"],
+        decoupled=group["decoupled_weight_decay"],
+        stochastic_rounding=group["stochastic_rounding"],
+        seed=seed,
+        found_inf=found_inf,
+    )

@@ -118,6 +118,19 @@ def _jobs() -> dict[str, tuple[str, dict]]:
         "run",
         dict(optimizer="kfac", dtype=F64, kwargs=dict(lr=0.05, T=3, graft="rms")),
     )
+    jobs["adafisher-graft-distributed-ddp"] = (  # the grafted, unfused AdaFisher step
+        "run",
+        dict(
+            optimizer="adafisher",
+            ddp=True,
+            dtype=F64,
+            kwargs=dict(lr=0.05, T=2, graft="adam", weight_decay=1e-2, distribute_factors=True),
+        ),
+    )
+    jobs["adafisher-graft-replicated-plain"] = (
+        "run",
+        dict(optimizer="adafisher", dtype=F64, kwargs=dict(lr=0.05, T=2, graft="rms")),
+    )
     jobs["kfac-reduce-replicated-plain"] = (
         "run",
         dict(optimizer="kfac", dtype=F64, kwargs=dict(lr=0.05, T=3, kfac_approx="reduce")),

@@ -111,7 +111,7 @@ SINGLE_RANK = [
         expect_error=True,
         kwargs=_singd("dense", weight_rescale=True),
     ),
-    dict(optimizer="singd", shard=True, expect_error=True, kwargs=_singd("dense", graft="adam")),
+    dict(optimizer="singd", shard=True, dtype=sc.F64, kwargs=_singd("dense", graft="adam")),
 ]
 
 
@@ -149,14 +149,73 @@ def test_weight_rescale_is_refused_with_a_clear_error(single_rank):
     assert "weight_rescale=True is not supported" in single_rank[1]["error"]
 
 
-def test_graft_is_refused_with_a_clear_error(single_rank):
-    assert "graft is not supported with FSDP2-sharded parameters" in single_rank[2]["error"]
+def test_graft_on_a_single_rank_mesh_equals_the_plain_model(single_rank):
+    """(``shift`` left out, as in the graft test below.)"""
+    plain = sc.run({**SINGLE_RANK[2], "shard": False})
+    assert max_diff(plain["params"][:-2], single_rank[2]["params"][:-2]) <= 1e-12
+
+
+def _graft_jobs() -> dict[str, dict]:
+    """Every way a row of Ĝ is made (gathered, at its owner, row-local SINGD, AdaFisher)
+    with each graft; the MLP's ``shift`` has no row on rank 1 (a rank adds zeros)."""
+    jobs = {}
+    for graft in ("adam", "rms"):
+        for structures in ("dense", ("dense", "diagonal"), "diagonal"):
+            jobs[f"graft-{graft}-singd-{structures}"] = _singd(structures, graft=graft)
+        jobs[f"graft-{graft}-singd-dense-owned"] = _singd(
+            "dense", graft=graft, distribute_factors=True
+        )
+        for owned in (False, True):
+            suffix = "-owned" if owned else ""
+            kfac = dict(lr=0.05, T=2, graft=graft, distribute_factors=owned)
+            jobs[f"graft-{graft}-kfac{suffix}"] = dict(kfac, weight_decay=1e-2)
+        jobs[f"graft-{graft}-adafisher"] = dict(lr=0.05, T=2, graft=graft, weight_decay=1e-2)
+    return {
+        key: dict(optimizer=key.split("-")[2], dtype=sc.F64, kwargs=kwargs)
+        for key, kwargs in jobs.items()
+    }
+
+
+GRAFT_JOBS = _graft_jobs()
+
+
+@pytest.fixture(scope="module")
+def graft_world() -> list[list[dict]]:
+    return launch(2, sc.run_many, list(GRAFT_JOBS.values()), timeout=300)
+
+
+@pytest.mark.parametrize("index", range(len(GRAFT_JOBS)), ids=list(GRAFT_JOBS))
+def test_fsdp_graft_matches_single_process_full_batch(graft_world, index):
+    """A sharded weight's graft norm sums every rank's rows: float64, within 1e-10.
+    ``shift`` (the last two parameters) is left out: it adds one value to every logit,
+    so its gradient is rounding noise, which a graft scales up (rms: to RMS 0.2); it
+    changes no other parameter's gradient."""
+    key, config = list(GRAFT_JOBS.items())[index]
+    ranks = [per_rank[index]["params"] for per_rank in graft_world]
+    assert max_diff(ranks[0], ranks[1]) == 0.0
+    diff = max_diff(sc.run(config)["params"][:-2], ranks[0][:-2])
+    assert diff <= 1e-10, f"{key}: max |Δθ| = {diff:.3g}"
+    plain = sc.run({**config, "kwargs": {**config["kwargs"], "graft": None}})
+    assert max_diff(plain["params"][:-2], ranks[0][:-2]) > 1e-4  # the graft acts
+
+
+@pytest.mark.parametrize("index", range(len(GRAFT_JOBS)), ids=list(GRAFT_JOBS))
+def test_fsdp_graft_adds_one_all_reduce_per_step(graft_world, index):
+    """The norms of a grafted group: one all-reduce per step, after the layers' own
+    collectives (the statistics' all-reduce on update steps, T = 2, and the flag's)."""
+    for result in (per_rank[index] for per_rank in graft_world):
+        for step, names in enumerate(result["collectives"]):
+            assert names.count("all_reduce") == (3 if step % 2 == 0 else 2), names
+            assert names[-1] == "all_reduce"
 
 
 HSDP = {
     "hsdp-singd-dense": dict(optimizer="singd", mesh=(2, 2), kwargs=_singd("dense")),
     "hsdp-adafisher": dict(
         optimizer="adafisher", mesh=(2, 2), dtype=sc.F64, kwargs=dict(lr=0.05, T=2)
+    ),
+    "hsdp-adafisher-graft": dict(  # graft norms over the shard group of each replica
+        optimizer="adafisher", mesh=(2, 2), dtype=sc.F64, kwargs=dict(lr=0.05, T=2, graft="rms")
     ),
     "hsdp-owned": dict(
         optimizer="singd",
@@ -177,7 +236,8 @@ def test_hsdp_replicate_x_shard_mesh():
             continue
         tolerance = 1e-10 if config.get("dtype") == sc.F64 else 1e-5
         ref = sc.run({k: v for k, v in config.items() if k != "mesh"})
-        assert max_diff(ref["params"], per_rank[0][i]["params"]) <= tolerance, key
+        kept = -2 if "graft" in key else None  # shift's noise, as in the graft test above
+        assert max_diff(ref["params"][:kept], per_rank[0][i]["params"][:kept]) <= tolerance, key
 
 
 def test_reference_runs_are_not_trivial():

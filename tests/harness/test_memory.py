@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from singd_cuda.harness.memory import formula_bytes, state_bytes, structure_entries
+from singd_cuda.harness.cli import main
+from singd_cuda.harness.memory import (
+    MEMORY_MODELS,
+    formula_bytes,
+    measure,
+    state_bytes,
+    structure_entries,
+)
 from singd_cuda.harness.optimizers import STRUCTURES, OptimizerChoice
 
 CHOICES = [
@@ -60,6 +69,7 @@ def test_formula_equals_measured_state(choice, factor_dtype):
         OptimizerChoice("singd", "block_diagonal:5"),
         OptimizerChoice("ikfac"),
         OptimizerChoice("kfac"),
+        OptimizerChoice("adafisher"),
     ],
     ids=lambda c: c.label,
 )
@@ -83,3 +93,30 @@ def test_structure_entries_match_storage(spec, d):
     from singd_cuda import structures
 
     assert structures.get(spec).eye(d).nbytes == 4 * structure_entries(spec, d)
+
+
+def test_memory_command_with_graft(tmp_path):
+    """``memory --graft adam``: the preconditioned optimizers' rows measure and count the
+    second moments (one buffer per weight and bias); AdamW's row is as it was."""
+    argv = ["memory", "--models", "gpt_tiny", "--optimizers", "adamw", "adafisher", "kfac"]
+    argv += ["--graft", "adam", "--out", str(tmp_path), "--device", "cpu"]
+    assert main(argv) == 0
+    payload = json.loads((tmp_path / "memory.json").read_text())
+    assert payload["graft"] == "adam"
+    rows = payload["rows"]
+    assert [(r["label"], r["graft"]) for r in rows] == [
+        ("adamw", None),
+        ("adafisher graft=adam", "adam"),
+        ("kfac graft=adam", "adam"),
+    ]
+    assert all(r["measured_bytes"] == r["formula_bytes"] for r in rows)
+    for row, name in zip(rows[1:], ("adafisher", "kfac"), strict=True):
+        plain = measure("gpt_tiny", OptimizerChoice(name), torch.float32, torch.device("cpu"))
+        model = MEMORY_MODELS["gpt_tiny"][0]()
+        weights = sum(
+            p.numel() * p.element_size()
+            for m in model.modules()
+            if isinstance(m, nn.Linear | nn.Conv2d)
+            for p in m.parameters(recurse=False)
+        )
+        assert row["measured_bytes"] - plain.measured_bytes == weights
