@@ -149,6 +149,7 @@ class CurvatureCapture:
         self.batch_from_input = False  # model_batch is the input's dimension 0
         self.counted_on_input = False  # a layer counted dimension 0 while it was
         self._callback_queued = False
+        self._end_deferred = False  # _on_backward_end queued itself once more
         self._direct = False
         self._grad_hooks: dict[int, object] = {}
         # layer -> (its weight's .grad, weakly, and the grad's _version) after a backward
@@ -228,10 +229,7 @@ class CurvatureCapture:
             staged = self._staged[layer] = _Staged(after_reset=self._grad_reset(layer))
             if not self._callback_queued:
                 self._callback_queued = True
-                ref = weakref.ref(self)
-                torch.autograd.Variable._execution_engine.queue_callback(
-                    lambda: _call(ref, "_on_backward_end")
-                )
+                self._queue_backward_end()
         previous = self.committed.get(layer)
         kept = previous is not None and (previous.direct or not staged.after_reset)
         new = call not in staged.calls and not (kept and call in previous.calls)
@@ -279,9 +277,25 @@ class CurvatureCapture:
                 committed.calls.add(call)
                 committed.terms += weight
 
+    def _queue_backward_end(self) -> None:
+        ref = weakref.ref(self)
+        torch.autograd.Variable._execution_engine.queue_callback(
+            lambda: _call(ref, "_on_backward_end")
+        )
+
     def _on_backward_end(self) -> None:
         """Drop what this backward pass staged but did not accumulate into a ``.grad``;
-        later layer calls belong to no model forward until the next one begins."""
+        later layer calls belong to no model forward until the next one begins.
+
+        It first queues itself once more, so that it runs after the callbacks queued
+        later in the pass: FSDP2's final callback reduce-scatters the gradients of the
+        root's unit (whose inputs need no gradient: an LM head, a head tied to the
+        embedding) and runs their post-accumulate-grad hooks, which commit."""
+        if not self._end_deferred:
+            self._end_deferred = True
+            self._queue_backward_end()
+            return
+        self._end_deferred = False
         self._staged.clear()
         self._callback_queued = False
         self.model_batch = None

@@ -124,6 +124,15 @@ class Synchronizer:
         comm.all_reduce_sum_(flags, self.group)
         check.raise_(flags)
 
+    def refusals(self, refused: bool) -> int:
+        """How many ranks of the group refused the checkpoint being loaded (one
+        all-reduce of a flag; every rank calls it in every ``load_state_dict``): a rank
+        checks only its part of a sharded or owned state, and a rank that loads while
+        another refuses would leave the ranks in different states."""
+        flag = torch.tensor([float(refused)], device=self._device)
+        comm.all_reduce_sum_(flag, self.group)
+        return int(flag.item())
+
     def remove(self) -> None:
         """Remove the hook the synchroniser put on the model."""
         self._hook.remove()

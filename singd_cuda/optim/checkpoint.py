@@ -230,7 +230,30 @@ def prepared(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]
     """``state_dict`` as ``torch.optim.Optimizer.load_state_dict`` takes it (by index,
     with hyperparameters added since it was saved, without the optimizer kind), after
     checking that it fits; raises :class:`CheckpointMismatchError` before anything is
-    loaded. ``optimizer``: a KroneckerOptimizer."""
+    loaded. ``optimizer``: a KroneckerOptimizer.
+
+    Under torch.distributed the verdict is every rank's (one all-reduce of a flag): a
+    rank checks only the part it holds (its shards under FSDP2, its layers' factors
+    under ``distribute_factors``, its own copy otherwise), and when any rank refuses,
+    every rank raises (the others name the number of ranks that refused)."""
+    sync = optimizer._sync
+    try:
+        ready = _checked(optimizer, state_dict)
+    except Exception:
+        if sync is not None:
+            sync.refusals(True)
+        raise
+    refused = 0 if sync is None else sync.refusals(False)
+    if refused:
+        raise CheckpointMismatchError(
+            f"{refused} other rank(s) of the process group refused this checkpoint (their "
+            "error says why): every rank refuses it, so that the ranks stay in step"
+        )
+    return ready
+
+
+def _checked(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """:func:`prepared` on this rank's part alone."""
     _check_layout(state_dict)
     state_dict = by_index(state_dict)  # DCP's set_optimizer_state_dict: names
     foreign = set()

@@ -72,6 +72,9 @@ class ScaleOut(Protocol):
     def agree(self, check) -> None:
         """Raise on every rank the non-finite flags any rank raised."""
 
+    def refusals(self, refused: bool) -> int:
+        """How many ranks refused the checkpoint being loaded (every rank calls it)."""
+
     def share_parameters(self) -> int:
         """Send every rank the parameters this rank updated (``distribute_factors``)."""
 

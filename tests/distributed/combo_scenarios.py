@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from singd_cuda import SINGD
+from singd_cuda import KFAC, SINGD, AdaFisher
 
 from ..loops import backward_and_step
 from .fsdp_scenarios import full_params, make_model, shard_model
@@ -46,14 +46,33 @@ def _shard(tensor, rank: int, world: int):
     return tensor[rank * size : (rank + 1) * size]
 
 
+TIED_OPTIMIZERS = {
+    "singd": lambda m: SINGD(m, structures="dense", lr=0.01, lr_cov=0.1, T=2, loss_average="batch"),
+    "kfac": lambda m: KFAC(m, lr=0.05, T=2),
+    "adafisher": lambda m: AdaFisher(m, lr=0.05, T=2),
+}
+
+
 def run_tied(config: dict, rank: int = 0, world: int = 1) -> dict[str, Any]:
-    """DDP (world > 1) on the tied model, optionally compiled."""
+    """DDP (world > 1; FSDP2 with ``config["fsdp"]``: the head and the embedding in the
+    root's unit, whose gradients FSDP2 reduce-scatters in its final backward callback) on
+    the tied model (untied with ``config["untied"]``), optionally compiled; SINGD unless
+    ``config["optimizer"]``."""
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(0)
     model = TiedLM().double()
-    opt = SINGD(model, structures="dense", lr=0.01, lr_cov=0.1, T=2, loss_average="batch")
-    wrapped = DistributedDataParallel(model) if world > 1 else model
+    if config.get("untied"):
+        model.head.weight = nn.Parameter(model.embed.weight.detach().clone())
+    if world > 1 and config.get("fsdp"):
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model.mix)
+        fully_shard(model)  # the embedding and the head: one unit
+    opt = TIED_OPTIMIZERS[config.get("optimizer", "singd")](model)
+    wrapped = model
+    if world > 1 and not config.get("fsdp"):
+        wrapped = DistributedDataParallel(model)
     if config.get("compile"):
         wrapped = torch.compile(wrapped, backend="aot_eager")
     for tokens in _tokens():
@@ -63,7 +82,7 @@ def run_tied(config: dict, rank: int = 0, world: int = 1) -> dict[str, Any]:
         F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)).backward()
         opt.step()
     layers = sorted(layer.name for layer in opt.layers)
-    return {"params": [p.detach().clone() for p in model.parameters()], "layers": layers}
+    return {"params": full_params(model), "layers": layers}
 
 
 def run_fsdp_amp(config: dict, rank: int = 0, world: int = 1) -> dict[str, Any]:

@@ -52,6 +52,17 @@ def _jobs() -> dict[str, dict]:
             jobs[f"{name}{suffix}"] = dict(
                 optimizer=name, dtype=sc.F64, kwargs=dict(lr=0.05, T=2, distribute_factors=owned)
             )
+        # maximize: the sharded rows, the fallback and the norm Fisher step up the gradient
+        jobs[f"singd-dense-maximize{suffix}"] = dict(
+            optimizer="singd",
+            kwargs=_singd("dense", maximize=True, norm_fisher=True, distribute_factors=owned),
+        )
+        for name in ("kfac", "adafisher"):
+            jobs[f"{name}-maximize{suffix}"] = dict(
+                optimizer=name,
+                dtype=sc.F64,
+                kwargs=dict(lr=0.05, T=2, maximize=True, distribute_factors=owned),
+            )
     return jobs
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from singd_cuda import SINGD
+from singd_cuda import KFAC, SINGD
 
 from .conftest import (
     NAMES,
@@ -253,6 +253,33 @@ def test_a_tied_head_steps_once_with_the_heads_statistics():
     K, C = state["K"]["mat"], state["C"]["mat"]
     G = tied.head.weight.grad
     expected = before - 0.1 * (C @ C.T) @ G @ (K @ K.T)
+    torch.testing.assert_close(tied.head.weight.detach(), expected, rtol=1e-12, atol=1e-14)
+
+
+def test_a_tied_head_is_preconditioned_by_kfacs_head_factors():
+    """K-FAC likewise: the tied weight's factors and damped inverses are those of an
+    untied twin's head, and its step is lr · G⁻¹ (head + embedding rows' gradient) A⁻¹.
+    (The embedding rows' part is preconditioned by factors that measure the head only:
+    docs/concepts/curvature.md, "Tied weights".)"""
+    tied = TiedLM().double()
+    untied = TiedLM().double()
+    untied.head.weight = nn.Parameter(untied.embed.weight.detach().clone())
+    hyper = dict(lr=0.1, T=1, momentum=0.0, damping=1e-2)
+    opts = [KFAC(model, **hyper) for model in (tied, untied)]
+    tokens = torch.randint(0, 11, (16, 6), generator=torch.Generator().manual_seed(0))
+    before = tied.head.weight.detach().clone()
+    for model, opt in zip((tied, untied), opts, strict=True):
+        logits = model(tokens[:, :-1])
+        F.cross_entropy(logits.reshape(-1, 11), tokens[:, 1:].reshape(-1)).backward()
+        opt.step()
+    state, twin = opts[0].state[tied.head.weight], opts[1].state[untied.head.weight]
+    for key in ("A", "G", "A_inv", "G_inv"):
+        torch.testing.assert_close(state[key], twin[key], rtol=1e-12, atol=1e-15)
+    embedding_rows = untied.embed.weight.grad
+    G = tied.head.weight.grad
+    torch.testing.assert_close(G, untied.head.weight.grad + embedding_rows, rtol=1e-12, atol=0)
+    assert embedding_rows.abs().max() > 0.1 * G.abs().max()  # the sum is not the head's alone
+    expected = before - 0.1 * state["G_inv"] @ G @ state["A_inv"]
     torch.testing.assert_close(tied.head.weight.detach(), expected, rtol=1e-12, atol=1e-14)
 
 
