@@ -38,10 +38,9 @@ from ..curvature.capture import CurvatureCapture, merge_statistics, take_over
 from ..curvature.discovery import find_layers
 from ..curvature.layers import (
     Layer,
+    SquareSums,
     grad_output_matrix,
-    grad_output_sum_squares,
     input_matrix,
-    input_sum_squares,
     own_parameter,
     reduced_grad_output_matrix,
     reduced_input_matrix,
@@ -201,6 +200,7 @@ class KroneckerOptimizer(Optimizer):
         self._layer_group = {
             layer: self._param_group[id(layer.weight)] for layer in self._layers + self._norm_layers
         }
+        self._square_sums = {layer: SquareSums(layer) for layer in self._layers}
         in_layers = {id(p) for layer in self._layers + self._norm_layers for p in layer.params}
         self._fallback_params = [
             p for g in self.param_groups for p in g["params"] if id(p) not in in_layers
@@ -339,16 +339,14 @@ class KroneckerOptimizer(Optimizer):
         if rule.diagonal_statistics(group) and not (
             self._sync is not None and self._sync.distribute_factors
         ):
+            sums = self._square_sums[layer]
             if not with_input:
                 h = torch.zeros(layer.dim_in, dtype=dtype, device=device)
             elif a is not None:
                 h = a.square().sum(0).mul_(weight)
             else:
-                h = input_sum_squares(layer, layer_input, dtype).mul_(weight)
-            if g is not None:
-                s = g.square().sum(0)
-            else:
-                s = grad_output_sum_squares(layer, grad_output, dtype)
+                h = sums.inputs(layer_input, dtype).mul_(weight)
+            s = g.square().sum(0) if g is not None else sums.outputs(grad_output, dtype)
             rule.accumulate_diagonal(layer, group, self._layer_state(layer, group), into, h, s)
             return True
         if not with_input:  # no rows: the rules add nothing to the input side
