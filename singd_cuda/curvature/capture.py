@@ -117,6 +117,7 @@ class _LayerSlot:
     __slots__ = (
         "after_reset",
         "calls",
+        "entry",
         "generation",
         "grad",
         "grad_version",
@@ -132,6 +133,7 @@ class _LayerSlot:
         self.grad: weakref.ref | None = None  # weakly, with its _version, in ``generation``
         self.grad_version = 0
         self.generation = -1
+        self.entry = Committed()  # the layer's entry in ``committed``, reused every step
 
 
 def merge_statistics(into: Statistics, new: Statistics) -> None:
@@ -263,7 +265,12 @@ class CurvatureCapture:
         previous = self.committed.get(layer)
         kept = previous is not None and (previous.direct or not slot.after_reset)
         new = call not in calls and not (kept and call in previous.calls)
-        if self._accumulate(layer, layer_input, grad_output, weight, statistics, new) and new:
+        if torch.is_autocast_enabled(grad_output.device.type):
+            counts = self._accumulate(layer, layer_input, grad_output, weight, statistics, new)
+        else:  # as _accumulate, one call less
+            accumulate = self._owner._accumulate_statistics
+            counts = accumulate(layer, layer_input, grad_output, weight, statistics, new)
+        if counts and new:
             calls[call] = weight
 
     def _grad_reset(self, slot: _LayerSlot) -> bool:
@@ -300,7 +307,9 @@ class CurvatureCapture:
             del committed[layer]  # the statistics before the reset go with the gradient
             previous = None
         if previous is None:
-            committed[layer] = previous = Committed(statistics)
+            previous = committed[layer] = slot.entry
+            previous.statistics, previous.terms, previous.direct = statistics, 0.0, False
+            previous.calls.clear()
         else:
             merge_statistics(previous.statistics, statistics)
         counted = previous.calls
@@ -476,7 +485,8 @@ class _LayerHook(_InertCopies):
             return None
         fields = capture._on_forward(self._index, output)
         if fields is not None:  # a hook on the output's gradient, no copy of the output
-            stage = partial(_stage, self._ref, self._index, _input(args, kwargs), *fields)
+            layer_input = (args[0] if args else next(iter(kwargs.values()))).detach()
+            stage = partial(_stage, self._ref, self._index, layer_input, *fields)
             output.register_hook(stage)
         return None
 

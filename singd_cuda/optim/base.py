@@ -201,6 +201,7 @@ class KroneckerOptimizer(Optimizer):
             layer: self._param_group[id(layer.weight)] for layer in self._layers + self._norm_layers
         }
         self._square_sums = {layer: SquareSums(layer) for layer in self._layers}
+        self._wants: dict[int, tuple] = {}  # group index -> (step, T, wants statistics)
         in_layers = {id(p) for layer in self._layers + self._norm_layers for p in layer.params}
         self._fallback_params = [
             p for g in self.param_groups for p in g["params"] if id(p) not in in_layers
@@ -273,7 +274,14 @@ class KroneckerOptimizer(Optimizer):
     # ---------------------------------------------------------- statistics
     # What the capture asks (singd_cuda.curvature.capture.CaptureOwner).
     def _wants_statistics(self, layer: Layer) -> bool:
-        return self._group_wants_statistics(self.group_of(layer))
+        index = self._layer_group[layer]
+        group = self.param_groups[index]
+        # a function of the group's step and T alone: decided once per step
+        step, period = group["step"], group["T"]
+        known = self._wants.get(index)
+        if known is None or known[0] != step or known[1] is not period:
+            known = self._wants[index] = (step, period, self._group_wants_statistics(group))
+        return known[2]
 
     def _group_wants_statistics(self, group: dict) -> bool:
         return group["step"] % self.update_period(group) == 0
@@ -292,7 +300,7 @@ class KroneckerOptimizer(Optimizer):
 
     def _loss_terms(self, layer: Layer, output: Tensor) -> int:
         """The loss terms one call's output covers (:mod:`singd_cuda.curvature.loss_terms`)."""
-        group = self.group_of(layer)
+        group = self.param_groups[self._layer_group[layer]]
         return self._counter.count(
             layer, output, group["loss_average"], group["batch_dim"], self._capture
         )
@@ -315,7 +323,7 @@ class KroneckerOptimizer(Optimizer):
         ``weight`` (left out when ``with_input`` is False: a later backward pass through
         a call counted already), the output side from the raw output gradient (g without
         √L). True: the call counts."""
-        group = self.group_of(layer)
+        group = self.param_groups[self._layer_group[layer]]
         dtype = accumulation_dtype(layer.weight.dtype)
         if layer in self._norm_set:
             loss_average = group["loss_average"]
