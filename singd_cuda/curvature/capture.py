@@ -258,7 +258,15 @@ class CurvatureCapture:
                 torch.autograd.Variable._execution_engine.queue_callback(
                     lambda: _call(ref, "_on_backward_end")
                 )
-            slot.after_reset = self._grad_reset(slot)
+            # whether the weight's gradient was reset since the last pass that reached it
+            # (the module docstring); none reached it since the last step: not reset, nor
+            # under torch.distributed (collectives write .grad after the hooks)
+            grad = layer.weight.grad
+            slot.after_reset = grad is None or (
+                slot.generation == self._generation
+                and not self._distributed
+                and (slot.grad() is not grad or slot.grad_version != grad._version)
+            )
             statistics = slot.statistics = {}
             self._staging.append(slot)
         calls = slot.calls
@@ -272,16 +280,6 @@ class CurvatureCapture:
             counts = accumulate(layer, layer_input, grad_output, weight, statistics, new)
         if counts and new:
             calls[call] = weight
-
-    def _grad_reset(self, slot: _LayerSlot) -> bool:
-        """Whether the layer's weight gradient was reset since the last backward pass
-        that reached it (the module docstring)."""
-        grad = slot.layer.weight.grad
-        if grad is None:
-            return True
-        if slot.generation != self._generation or self._distributed:
-            return False  # no pass reached it since the last step; collectives write .grad
-        return slot.grad() is not grad or slot.grad_version != grad._version
 
     def _accumulate(self, layer, layer_input, grad_output, weight, into, with_input) -> bool:
         accumulate = self._owner._accumulate_statistics

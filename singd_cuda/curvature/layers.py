@@ -451,7 +451,7 @@ class SquareSums:
     call reads no environment and makes two op calls.
     """
 
-    __slots__ = ("_bias", "_device_type", "_kind", "_linear", "_module", "_reduce")
+    __slots__ = ("_bias", "_bias_entries", "_device_type", "_kind", "_linear", "_module", "_reduce")
 
     def __init__(self, layer: Layer) -> None:
         kind = layer.kind
@@ -463,13 +463,15 @@ class SquareSums:
         )
         self._device_type: str | None = None
         self._reduce = None
+        self._bias_entries: dict[tuple, Tensor] = {}
 
     def _resolve(self, x: Tensor) -> None:
         self._device_type = x.device.type
         self._reduce = ops.col_sum_squares_for(self._device_type)
 
-    def inputs(self, x: Tensor, dtype: torch.dtype) -> Tensor:
-        """diag(aᵀa) (d_K, the bias entry included) in ``dtype``, a carrying 1/√N."""
+    def inputs(self, x: Tensor, dtype: torch.dtype, weight: float = 1.0) -> Tensor:
+        """diag(aᵀa) (d_K, the bias entry included) in ``dtype``, a carrying 1/√N, times
+        ``weight``."""
         x = x.detach()
         if self._linear:
             if x.device.type != self._device_type:
@@ -477,10 +479,20 @@ class SquareSums:
             h, rows = self._reduce(x, -1), x.numel() // max(x.shape[-1], 1)
         else:
             h, rows = self._kind.input_sum_squares(self._module, x)
-        h = h.to(dtype)
-        if self._bias:
-            h = torch.cat([h, h.new_full((1,), float(rows))])
-        return h.mul_(1.0 / max(rows, 1))
+        scale = 1.0 / max(rows, 1)
+        h = h.to(dtype).mul_(scale).mul_(weight)
+        if not self._bias:
+            return h
+        # the bias entry, N, through the same two multiplies (so rounded alike), made
+        # once per (N, weight, dtype, device): one op less a call than new_full
+        key = (rows, weight, h.dtype, h.device)
+        entry = self._bias_entries.get(key)
+        if entry is None:
+            if len(self._bias_entries) > 64:  # many batch sizes: start over
+                self._bias_entries.clear()
+            entry = h.new_full((1,), float(rows)).mul_(scale).mul_(weight)
+            self._bias_entries[key] = entry
+        return torch.cat([h, entry])
 
     def outputs(self, grad: Tensor, dtype: torch.dtype) -> Tensor:
         """diag(gᵀg) (d_C) of the raw output gradient, in ``dtype``."""

@@ -353,7 +353,7 @@ class KroneckerOptimizer(Optimizer):
             elif a is not None:
                 h = a.square().sum(0).mul_(weight)
             else:
-                h = sums.inputs(layer_input, dtype).mul_(weight)
+                h = sums.inputs(layer_input, dtype, weight)
             s = g.square().sum(0) if g is not None else sums.outputs(grad_output, dtype)
             rule.accumulate_diagonal(layer, group, self._layer_state(layer, group), into, h, s)
             return True
