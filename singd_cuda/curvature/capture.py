@@ -17,7 +17,8 @@ How:
   before it accumulates), so shared weights and modules called twice commit once.
 * A callback at the end of the backward pass drops whatever was staged and not
   committed: ``torch.autograd.grad``, a frozen weight, ``backward(inputs=...)`` without
-  the weight leave nothing behind.
+  the weight leave nothing behind. A pass in which the capture itself raises ends
+  there the same way (its callback would never run).
 * A gradient reset discards the statistics committed before it, as it discards the
   gradient: when a pass begins for a layer, its weight's ``.grad`` is None (``zero_grad``,
   a new step) or, in one process, not the tensor the last committed pass left, or that
@@ -273,11 +274,17 @@ class CurvatureCapture:
         previous = self.committed.get(layer)
         kept = previous is not None and (previous.direct or not slot.after_reset)
         new = call not in calls and not (kept and call in previous.calls)
-        if torch.is_autocast_enabled(grad_output.device.type):
-            counts = self._accumulate(layer, layer_input, grad_output, weight, statistics, new)
-        else:  # as _accumulate, one call less
-            accumulate = self._owner._accumulate_statistics
-            counts = accumulate(layer, layer_input, grad_output, weight, statistics, new)
+        try:
+            if torch.is_autocast_enabled(grad_output.device.type):
+                counts = self._accumulate(layer, layer_input, grad_output, weight, statistics, new)
+            else:  # as _accumulate, one call less
+                accumulate = self._owner._accumulate_statistics
+                counts = accumulate(layer, layer_input, grad_output, weight, statistics, new)
+        except BaseException:
+            # the pass fails (its end callback will not run): it stages nothing more, and
+            # what it staged must not wait for a later pass's commit
+            self._on_backward_end()
+            raise
         if counts and new:
             calls[call] = weight
 
