@@ -3,7 +3,8 @@
 Every function here runs the fused kernel of the ``singd_cuda`` op library when it is
 available for the tensors' device (CPU always after the first, cached, JIT build; CUDA when
 the CUDA library builds) and otherwise the reference in :mod:`singd_cuda.ops.reference`,
-which computes the same values. ``SINGD_CUDA_FUSED=0`` forces the reference path; a failed
+which computes the same values. ``SINGD_CUDA_FUSED=0`` forces the reference path (read at
+every call, except by :func:`col_sum_squares_for`, which resolves once); a failed
 build warns once and falls back to it. ``python -m singd_cuda.ops build [--cuda]`` prebuilds.
 The ops are registered as ``torch.ops.singd_cuda.*`` with fake implementations, so code
 calling them traces under ``torch.compile(fullgraph=True)``.
