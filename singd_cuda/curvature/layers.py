@@ -472,7 +472,8 @@ class SquareSums:
     def inputs(self, x: Tensor, dtype: torch.dtype, weight: float = 1.0) -> Tensor:
         """diag(aᵀa) (d_K, the bias entry included) in ``dtype``, a carrying 1/√N, times
         ``weight``."""
-        x = x.detach()
+        if x.requires_grad:  # a statistic, outside the graph (detach only what is in one)
+            x = x.detach()
         if self._linear:
             if x.device.type != self._device_type:
                 self._resolve(x)
@@ -496,7 +497,8 @@ class SquareSums:
 
     def outputs(self, grad: Tensor, dtype: torch.dtype) -> Tensor:
         """diag(gᵀg) (d_C) of the raw output gradient, in ``dtype``."""
-        grad = grad.detach()
+        if grad.requires_grad:  # backward(create_graph=True)
+            grad = grad.detach()
         if self._linear:
             if grad.device.type != self._device_type:
                 self._resolve(grad)
