@@ -8,7 +8,7 @@ How:
 * A forward hook on each module of a layer (with grad enabled and the weight trainable)
   asks the capture whether the call takes statistics on this step, and if so keeps the
   input for the backward: eager calls register a hook on the output's gradient
-  (:class:`capture_ops.StageHook`); traced calls ask through the ``mark`` op and wrap the
+  (:func:`_stage`); traced calls ask through the ``mark`` op and wrap the
   output in :class:`capture_ops.Stage`.
 * In the backward, the hook (or ``Stage``) computes the call's statistics (through the
   owner) and *stages* them for this backward pass (the ``stage`` op when traced).
@@ -17,7 +17,8 @@ How:
   before it accumulates), so shared weights and modules called twice commit once.
 * A callback at the end of the backward pass drops whatever was staged and not
   committed: ``torch.autograd.grad``, a frozen weight, ``backward(inputs=...)`` without
-  the weight leave nothing behind.
+  the weight leave nothing behind. A pass in which the capture itself raises ends
+  there the same way (its callback would never run).
 * A gradient reset discards the statistics committed before it, as it discards the
   gradient: when a pass begins for a layer, its weight's ``.grad`` is None (``zero_grad``,
   a new step) or, in one process, not the tensor the last committed pass left, or that
@@ -54,6 +55,7 @@ import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -108,13 +110,31 @@ class Committed:
     direct: bool = False  # committed without a gradient (:meth:`CurvatureCapture.direct`)
 
 
-@dataclass
-class _Staged:
-    """Statistics of one layer in the running backward pass, not committed yet."""
+class _LayerSlot:
+    """One layer's capture state, made once: what the running backward pass staged
+    (``statistics`` None: nothing) and the gradient the last pass that reached the
+    layer left, against which the next pass tells a reset."""
 
-    statistics: Statistics = field(default_factory=dict)
-    calls: dict[int, float] = field(default_factory=dict)  # call -> w
-    after_reset: bool = False  # the weight's .grad was None when the pass began
+    __slots__ = (
+        "after_reset",
+        "calls",
+        "entry",
+        "generation",
+        "grad",
+        "grad_version",
+        "layer",
+        "statistics",
+    )
+
+    def __init__(self, layer: Layer) -> None:
+        self.layer = layer
+        self.statistics: Statistics | None = None
+        self.calls: dict[int, float] = {}  # staged call -> w
+        self.after_reset = False  # the weight's .grad was None when the pass began
+        self.grad: weakref.ref | None = None  # weakly, with its _version, in ``generation``
+        self.grad_version = 0
+        self.generation = -1
+        self.entry = Committed()  # the layer's entry in ``committed``, reused every step
 
 
 def merge_statistics(into: Statistics, new: Statistics) -> None:
@@ -138,7 +158,8 @@ class CurvatureCapture:
         self.committed: dict[Layer, Committed] = {}
         self.taken_over = False  # another optimizer's capture hooks these modules now
         self.saw_samples = False  # a grad-enabled layer call held data since the last step
-        self._staged: dict[Layer, _Staged] = {}
+        self._slots = [_LayerSlot(layer) for layer in layers]
+        self._staging: list[_LayerSlot] = []  # slots the running backward pass staged into
         # model forwards so far, in a tensor that ``begin`` writes and ``mark`` reads, so
         # that a compiled graph keeps the ops in order
         self._forward = torch.zeros((), dtype=torch.int64, device="cpu")
@@ -150,10 +171,11 @@ class CurvatureCapture:
         self.counted_on_input = False  # a layer counted dimension 0 while it was
         self._callback_queued = False
         self._end_deferred = False  # _on_backward_end queued itself once more
+        self._distributed = False  # torch.distributed is initialised (read once a pass)
         self._direct = False
         self._grad_hooks: dict[int, object] = {}
-        # layer -> (its weight's .grad, weakly, and the grad's _version) after a backward
-        self._last_grads: dict[Layer, tuple[weakref.ref, int]] = {}
+        # the gradient marks of the slots count in this generation only (reset: a new one)
+        self._generation = 0
         self._layers = list(layers)
         handle = capture_ops.register(self)
         ref = weakref.ref(self)
@@ -174,8 +196,8 @@ class CurvatureCapture:
             for module in model.modules()
             if isinstance(module, BATCH_TELLING)
         ]
-        for layer in layers:
-            self._hook_weight(layer)
+        for slot in self._slots:
+            self._hook_weight(slot)
         _forget_compiled_code()
         # a collected capture (its optimizer dropped) takes its hooks with it
         weakref.finalize(self, _remove_handles, self._handles, self._grad_hooks)
@@ -190,92 +212,115 @@ class CurvatureCapture:
     def _on_call_batch(self, batch: int) -> None:
         self._owner._call_batch(batch)
 
-    def _hook_weight(self, layer: Layer) -> None:
+    def _hook_weight(self, slot: _LayerSlot) -> None:
         """The post-accumulate-grad hook of the layer's weight (once it can take one)."""
-        weight = layer.weight
+        weight = slot.layer.weight
         if id(weight) in self._grad_hooks or not weight.requires_grad:
             return
-        hook = _Hook(weakref.ref(self), "_on_accumulated", layer)
+        hook = _AccumulatedHook(weakref.ref(self), slot)
         self._grad_hooks[id(weight)] = weight.register_post_accumulate_grad_hook(hook)
 
-    def _saw(self, layer: Layer, output: Tensor) -> None:
-        """Note a grad-enabled call of ``layer``."""
+    def _saw(self, output: Tensor) -> None:
+        """Note a grad-enabled call of a layer."""
         self.saw_samples = self.saw_samples or output.numel() > 0
 
-    def _on_forward(self, index: int, output: Tensor) -> tuple[int, int, int]:
-        """(takes statistics, call, w) of a grad-enabled call of a layer whose weight
-        is trainable: its token (``capture_ops.mark``)."""
+    def _on_forward(self, index: int, output: Tensor) -> tuple[int, int] | None:
+        """(call, w) of a grad-enabled call of a layer whose weight is trainable, None when
+        it takes no statistics."""
+        if not self.saw_samples:
+            self.saw_samples = output.numel() > 0
         layer = self._layers[index]
-        self._saw(layer, output)
-        if not self._owner._wants_statistics(layer):
-            return (0, 0, 0)
-        self._hook_weight(layer)  # a weight unfrozen after construction
-        terms = int(self._owner._loss_terms(layer, output))
-        return (1, next(self._calls), terms)
+        owner = self._owner
+        if not owner._wants_statistics(layer):
+            return None
+        if id(layer.weight) not in self._grad_hooks:
+            self._hook_weight(self._slots[index])  # a weight unfrozen after construction
+        return next(self._calls), int(owner._loss_terms(layer, output))
 
     # ------------------------------------------------------------ backward
     def _on_grad(
         self, index: int, layer_input: Tensor, grad_output: Tensor, call: int, weight: float
     ) -> None:
-        layer = self._layers[index]
+        slot = self._slots[index]
+        layer = slot.layer
         if self._direct:
             committed = self.committed.setdefault(layer, Committed(direct=True))
             new = call not in committed.calls
-            if self._accumulate(layer, layer_input, grad_output, weight, committed, new) and new:
-                self._count(committed, {call: weight})
+            into = committed.statistics
+            if self._accumulate(layer, layer_input, grad_output, weight, into, new) and new:
+                committed.calls.add(call)
+                committed.terms += weight
             return
-        staged = self._staged.get(layer)
-        if staged is None:
-            staged = self._staged[layer] = _Staged(after_reset=self._grad_reset(layer))
+        statistics = slot.statistics
+        if statistics is None:
             if not self._callback_queued:
                 self._callback_queued = True
+                self._distributed = dist.is_available() and dist.is_initialized()
                 self._queue_backward_end()
+            # whether the weight's gradient was reset since the last pass that reached it
+            # (the module docstring); none reached it since the last step: not reset, nor
+            # under torch.distributed (collectives write .grad after the hooks)
+            grad = layer.weight.grad
+            slot.after_reset = grad is None or (
+                slot.generation == self._generation
+                and not self._distributed
+                and (slot.grad() is not grad or slot.grad_version != grad._version)
+            )
+            statistics = slot.statistics = {}
+            self._staging.append(slot)
+        calls = slot.calls
         previous = self.committed.get(layer)
-        kept = previous is not None and (previous.direct or not staged.after_reset)
-        new = call not in staged.calls and not (kept and call in previous.calls)
-        if self._accumulate(layer, layer_input, grad_output, weight, staged, new) and new:
-            staged.calls[call] = weight
-
-    def _grad_reset(self, layer: Layer) -> bool:
-        """Whether the layer's weight gradient was reset since the last backward pass
-        that reached it (the module docstring)."""
-        grad = layer.weight.grad
-        if grad is None:
-            return True
-        seen = self._last_grads.get(layer)
-        if seen is None or (dist.is_available() and dist.is_initialized()):
-            return False
-        return seen[0]() is not grad or seen[1] != grad._version
+        kept = previous is not None and (previous.direct or not slot.after_reset)
+        new = call not in calls and not (kept and call in previous.calls)
+        try:
+            if torch.is_autocast_enabled(grad_output.device.type):
+                counts = self._accumulate(layer, layer_input, grad_output, weight, statistics, new)
+            else:  # as _accumulate, one call less
+                accumulate = self._owner._accumulate_statistics
+                counts = accumulate(layer, layer_input, grad_output, weight, statistics, new)
+        except BaseException:
+            # the pass fails (its end callback will not run): it stages nothing more, and
+            # what it staged must not wait for a later pass's commit
+            self._end_pass()
+            raise
+        if counts and new:
+            calls[call] = weight
 
     def _accumulate(self, layer, layer_input, grad_output, weight, into, with_input) -> bool:
         accumulate = self._owner._accumulate_statistics
-        args = (layer, layer_input, grad_output, weight, into.statistics, with_input)
         device_type = grad_output.device.type
         if not torch.is_autocast_enabled(device_type):  # no context to leave (it costs µs)
-            return accumulate(*args)
+            return accumulate(layer, layer_input, grad_output, weight, into, with_input)
         with torch.autocast(device_type, enabled=False):
-            return accumulate(*args)
+            return accumulate(layer, layer_input, grad_output, weight, into, with_input)
 
-    def _on_accumulated(self, layer: Layer, weight: Tensor) -> None:
+    def _on_accumulated(self, slot: _LayerSlot, grad: Tensor) -> None:
         # the gradient this pass leaves (also one without statistics of the layer: a
         # weight in an L2 term), against which the next pass tells a reset
-        self._last_grads[layer] = (weakref.ref(weight.grad), weight.grad._version)
-        staged = self._staged.pop(layer, None)
-        if staged is None:
+        slot.grad, slot.grad_version = weakref.ref(grad), grad._version
+        slot.generation = self._generation
+        statistics = slot.statistics
+        if statistics is None:
             return
-        previous = self.committed.get(layer)
-        if staged.after_reset and previous is not None and not previous.direct:
-            del self.committed[layer]
-        committed = self.committed.setdefault(layer, Committed())
-        merge_statistics(committed.statistics, staged.statistics)
-        self._count(committed, staged.calls)
-
-    @staticmethod
-    def _count(committed: Committed, calls: dict[int, float]) -> None:
-        for call, weight in calls.items():
-            if call not in committed.calls:
-                committed.calls.add(call)
-                committed.terms += weight
+        slot.statistics = None
+        layer = slot.layer
+        committed = self.committed
+        previous = committed.get(layer)
+        if previous is not None and slot.after_reset and not previous.direct:
+            del committed[layer]  # the statistics before the reset go with the gradient
+            previous = None
+        if previous is None:
+            previous = committed[layer] = slot.entry
+            previous.statistics, previous.terms, previous.direct = statistics, 0.0, False
+            previous.calls.clear()
+        else:
+            merge_statistics(previous.statistics, statistics)
+        counted = previous.calls
+        for call, weight in slot.calls.items():
+            if call not in counted:
+                counted.add(call)
+                previous.terms += weight
+        slot.calls.clear()
 
     def _queue_backward_end(self) -> None:
         ref = weakref.ref(self)
@@ -295,8 +340,15 @@ class CurvatureCapture:
             self._end_deferred = True
             self._queue_backward_end()
             return
+        self._end_pass()
+
+    def _end_pass(self) -> None:
+        """The end of a backward pass (its callback, or a capture that raised in it)."""
         self._end_deferred = False
-        self._staged.clear()
+        for slot in self._staging:
+            slot.statistics = None
+            slot.calls.clear()
+        self._staging.clear()
         self._callback_queued = False
         self.model_batch = None
         self.batch_from_input = self.counted_on_input = False
@@ -315,7 +367,7 @@ class CurvatureCapture:
     def reset(self) -> None:
         """After a step (taken or skipped): forget statistics, counts and gradient marks."""
         self.committed.clear()
-        self._last_grads.clear()
+        self._generation += 1
         self.saw_samples = False
 
     def remove(self) -> None:
@@ -389,11 +441,11 @@ class _InertCopies:
     """Copies and pickles of a hooked model carry a hook that does nothing (a copy of a
     model is not what the optimizer trains)."""
 
-    def __deepcopy__(self, memo) -> _Hook:
-        return _inert_hook()
+    def __deepcopy__(self, memo) -> _InertHook:
+        return _InertHook()
 
     def __reduce__(self):
-        return (_inert_hook, ())
+        return (_InertHook, ())
 
 
 class _ModelHook(_InertCopies):
@@ -431,7 +483,7 @@ class _LayerHook(_InertCopies):
     """The forward hook of a layer's modules. Traced by ``torch.compile``, it reads no
     capture state (the ``mark`` op does, at run time) and wraps the output in
     :class:`capture_ops.Stage`. Eager calls keep the output and, when they take
-    statistics, hook its gradient (:class:`capture_ops.StageHook`)."""
+    statistics, hook its gradient (:func:`_stage`)."""
 
     def __init__(self, ref, handle: int, index: int, weight, forward: Tensor, probe) -> None:
         self._ref, self._handle, self._index = ref, handle, index
@@ -442,23 +494,35 @@ class _LayerHook(_InertCopies):
             return None
         if not self._weight.requires_grad:
             return None
-        if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
-            capture = self._ref()  # torch.func: note the samples, capture nothing
-            if capture is not None:
-                capture._saw(capture._layers[self._index], output)
+        if torch.compiler.is_compiling():
+            token = capture_ops.mark(self._forward, output, self._handle, self._index)
+            layer_input = _input(args, kwargs)
+            return capture_ops.Stage.apply(
+                output, token, layer_input, self._probe, self._handle, self._index
+            )
+        capture = self._ref()
+        if capture is None:
             return None
-        if not torch.compiler.is_compiling():
-            fields = capture_ops.token_fields(output, self._handle, self._index)
-            if fields[0]:  # eager: a hook on the output's gradient, no copy of the output
-                layer_input = _input(args, kwargs)
-                hook = capture_ops.StageHook(layer_input, fields, self._handle, self._index)
-                output.register_hook(hook)
+        if torch._C._are_functorch_transforms_active():
+            capture._saw(output)  # torch.func: note the samples, capture nothing
             return None
-        token = capture_ops.mark(self._forward, output, self._handle, self._index)
-        layer_input = _input(args, kwargs)
-        return capture_ops.Stage.apply(
-            output, token, layer_input, self._probe, self._handle, self._index
-        )
+        fields = capture._on_forward(self._index, output)
+        if fields is not None:  # a hook on the output's gradient, no copy of the output
+            layer_input = (args[0] if args else next(iter(kwargs.values()))).detach()
+            stage = partial(_stage, self._ref, self._index, layer_input, *fields)
+            output.register_hook(stage)
+        return None
+
+
+def _stage(ref, index: int, layer_input: Tensor, call: int, weight: int, grad_output: Tensor):
+    """The eager path of a layer call that takes statistics: a hook on its output's
+    gradient stages them. A tensor hook sees the gradient of the value the layer returned
+    even when later code modifies the output in place (``ReLU(inplace=True)``), so the
+    output is neither copied nor wrapped; the hook (a ``functools.partial``: no Python
+    object of ours per call) and the input it keeps live as long as the autograd graph."""
+    capture = ref()
+    if capture is not None:
+        capture._on_grad(index, layer_input, grad_output, call, float(weight))
 
 
 def _input(args: tuple, kwargs: dict) -> Tensor:
@@ -466,22 +530,22 @@ def _input(args: tuple, kwargs: dict) -> Tensor:
     return (args[0] if args else next(iter(kwargs.values()))).detach()
 
 
-class _Hook(_InertCopies):
-    """A hook that calls ``method`` of a weakly held capture with ``bound`` args first.
+class _AccumulatedHook(_InertCopies):
+    """The post-accumulate-grad hook of a layer's weight: commits what the pass staged
+    (:meth:`CurvatureCapture._on_accumulated`). It holds the capture weakly and does
+    nothing once it is gone (nor in a copy of the model)."""
 
-    It does nothing once the capture is gone (nor in a copy of the model).
-    """
+    def __init__(self, ref, slot: _LayerSlot) -> None:
+        self._ref, self._slot = ref, slot
 
-    def __init__(self, ref, method: str, *bound) -> None:
-        self._ref, self._method, self._bound = ref, method, bound
-
-    def __call__(self, *args):
-        return _call(self._ref, self._method, *self._bound, *args)
-
-
-def _inert_hook() -> _Hook:
-    return _Hook(_no_capture, "")
+    def __call__(self, weight: Tensor) -> None:
+        capture = self._ref()
+        if capture is not None:
+            capture._on_accumulated(self._slot, weight.grad)
 
 
-def _no_capture() -> None:
-    return None
+class _InertHook:
+    """What a copy of a hooked model holds in place of a capture's hook: nothing runs."""
+
+    def __call__(self, *args) -> None:
+        return None

@@ -20,7 +20,7 @@ four ops into the graph, each running the capture's Python at run time, compiled
 A capture is found by an integer ``handle`` (ops take no Python objects); a collected
 capture's ops do nothing. Eager code calls the same functions directly (:func:`_in_graph`):
 an op's dispatch costs ~50 µs a call on a CPU, the direct call ~10; an eager layer call
-keeps its token's fields as a tuple (:func:`token_fields`) rather than making a tensor.
+asks the capture itself and keeps its token's fields in its gradient hook (no tensor).
 """
 
 from __future__ import annotations
@@ -75,31 +75,20 @@ def _tell(counter: Tensor, handle: int, batch: int, grad_enabled: bool) -> None:
         capture._on_call_batch(int(batch))
 
 
-def token_fields(output: Tensor, handle: int, index: int) -> tuple[int, int, int]:
-    """(takes statistics, call, w) of a layer call: the fields of its ``mark`` token, which
-    eager calls keep as they are (no tensor made)."""
-    capture = _lookup(handle)
-    return (0, 0, 0) if capture is None else capture._on_forward(index, output)
-
-
 def _mark(counter: Tensor, output: Tensor, handle: int, index: int) -> Tensor:
-    return torch.tensor(token_fields(output, handle, index), dtype=torch.int64, device="cpu")
-
-
-def stage_fields(
-    grad_output: Tensor, layer_input: Tensor, fields: tuple[int, int, int], handle: int, index: int
-) -> None:
-    """Stage the statistics of the layer call whose token has ``fields``."""
-    takes, call, weight = fields
-    capture = _lookup(handle) if takes else None
-    if capture is not None:
-        capture._on_grad(index, layer_input, grad_output, call, float(weight))
+    capture = _lookup(handle)
+    fields = None if capture is None else capture._on_forward(index, output)
+    token = (0, 0, 0) if fields is None else (1, *fields)
+    return torch.tensor(token, dtype=torch.int64, device="cpu")
 
 
 def _stage(
     grad_output: Tensor, layer_input: Tensor, token: Tensor, handle: int, index: int
 ) -> Tensor:
-    stage_fields(grad_output, layer_input, token.tolist(), handle, index)
+    takes, call, weight = token.tolist()
+    capture = _lookup(handle) if takes else None
+    if capture is not None:
+        capture._on_grad(index, layer_input, grad_output, call, float(weight))
     return torch.zeros((), dtype=torch.float32, device="cpu")
 
 
@@ -112,7 +101,7 @@ _stage_op = torch.library.custom_op("singd_capture::stage", _stage, mutates_args
 begin = _in_graph(_begin_op, _begin)
 tell = _in_graph(_tell_op, _tell)
 stage = _in_graph(_stage_op, _stage)
-mark = _mark_op  # traced code only: eager calls take token_fields, no tensor
+mark = _mark_op  # traced code only: eager layer calls ask the capture, no tensor made
 
 
 @_mark_op.register_fake
@@ -123,22 +112,6 @@ def _mark_fake(counter: Tensor, output: Tensor, handle: int, index: int) -> Tens
 @_stage_op.register_fake
 def _stage_fake(grad_output, layer_input, token, handle, index) -> Tensor:
     return torch.empty((), dtype=torch.float32, device="cpu")
-
-
-class StageHook:
-    """The eager path: a hook on a layer output's gradient that stages the call's
-    statistics. A tensor hook sees the gradient of the value the layer returned even when
-    later code modifies the output in place (``ReLU(inplace=True)``), so the output is
-    neither copied nor wrapped; the hook and the input it keeps live as long as the
-    autograd graph."""
-
-    __slots__ = ("fields", "handle", "index", "layer_input")
-
-    def __init__(self, layer_input: Tensor, fields: tuple, handle: int, index: int) -> None:
-        self.layer_input, self.fields, self.handle, self.index = layer_input, fields, handle, index
-
-    def __call__(self, grad_output: Tensor) -> None:
-        stage_fields(grad_output, self.layer_input, self.fields, self.handle, self.index)
 
 
 class Stage(torch.autograd.Function):

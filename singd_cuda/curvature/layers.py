@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from .. import ops
+
 SUPPORTED_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)  # built-in; see is_supported
 """The torch.nn classes preconditioned without registration (subclasses included); Hugging
 Face ``Conv1D`` and registered kinds are supported too: :func:`is_supported` says."""
@@ -74,30 +76,22 @@ class LayerKind:
 
     def input_sum_squares(self, module: nn.Module, x: Tensor) -> tuple[Tensor, int]:
         """(diag(aᵀa) (d_K'), N) for a = :meth:`inputs`: float32 (float64 for float64)."""
-        from ..ops import col_sum_squares
-
         a = self.inputs(module, x)
-        return col_sum_squares(a, -1), a.shape[0]
+        return ops.col_sum_squares(a, -1), a.shape[0]
 
     def output_sum_squares(self, module: nn.Module, grad: Tensor) -> Tensor:
         """diag(gᵀg) (d_C) for g = :meth:`output_gradients`, dtype as above."""
-        from ..ops import col_sum_squares
-
-        return col_sum_squares(self.output_gradients(module, grad), -1)
+        return ops.col_sum_squares(self.output_gradients(module, grad), -1)
 
 
 class LinearKind(LayerKind):
     """``nn.Linear``: statistics straight from the input and output gradient."""
 
     def input_sum_squares(self, module: nn.Module, x: Tensor) -> tuple[Tensor, int]:
-        from ..ops import col_sum_squares
-
-        return col_sum_squares(x, -1), x.numel() // max(x.shape[-1], 1)
+        return ops.col_sum_squares(x, -1), x.numel() // max(x.shape[-1], 1)
 
     def output_sum_squares(self, module: nn.Module, grad: Tensor) -> Tensor:
-        from ..ops import col_sum_squares
-
-        return col_sum_squares(grad, -1)
+        return ops.col_sum_squares(grad, -1)
 
 
 class TransposedLinearKind(LinearKind):
@@ -154,25 +148,21 @@ class ConvKind(LayerKind):
         """Without unfolding the patches: :func:`singd_cuda.ops.conv2d_patch_sum_squares`
         (Conv1d as a Conv2d of height 1); Conv3d sums the squared input over the batch
         and then over the windows of each kernel offset."""
-        from ..ops import conv2d_patch_sum_squares
-
         x, padding = _padded(module, self._batched(x))
         rows = x.shape[0] * _conv_positions(module, x.shape[2:], padding)
         if self.spatial == 3:
             return _patch_sum_squares_3d(x, module, padding), rows
         if self.spatial == 1:  # (B, C, L) as (B, C, 1, L)
             (k,), (s,), (p,), (d,) = module.kernel_size, module.stride, padding, module.dilation
-            h = conv2d_patch_sum_squares(
+            h = ops.conv2d_patch_sum_squares(
                 x.unsqueeze(2), (1, k), (1, s), (0, p), (1, d), module.groups
             )
             return h, rows
         geometry = (module.kernel_size, module.stride, padding, module.dilation, module.groups)
-        return conv2d_patch_sum_squares(x, *geometry), rows
+        return ops.conv2d_patch_sum_squares(x, *geometry), rows
 
     def output_sum_squares(self, module: nn.Module, grad: Tensor) -> Tensor:
-        from ..ops import col_sum_squares
-
-        return col_sum_squares(self._batched(grad), 1)
+        return ops.col_sum_squares(self._batched(grad), 1)
 
     def _batched(self, x: Tensor) -> Tensor:
         """A conv input or output gradient with its batch dimension (unbatched: batch 1)."""
@@ -450,19 +440,81 @@ def _per_sample(layer: Layer, rows: Tensor, grad: Tensor, batch_dim: int, reduce
     return reduce(rows.reshape(batch, -1, rows.shape[-1]), 1)
 
 
+class SquareSums:
+    """The diagonal statistics of one layer's calls, diag(aᵀa) of :func:`input_matrix`
+    and diag(gᵀg) of :func:`grad_output_matrix`, in one pass over the input and the
+    output gradient (conv patches are not unfolded), float32 (float64 for float64).
+
+    What depends on the layer alone is decided once: its kind, and for the Linear kinds
+    the reduction itself (:func:`singd_cuda.ops.col_sum_squares_for`, the fused op or
+    the reference as ``SINGD_CUDA_FUSED`` says when a device type is first seen), so a
+    call reads no environment and makes two op calls.
+    """
+
+    __slots__ = ("_bias", "_bias_entries", "_device_type", "_kind", "_linear", "_module", "_reduce")
+
+    def __init__(self, layer: Layer) -> None:
+        kind = layer.kind
+        self._kind, self._module, self._bias = kind, layer.module, layer.bias is not None
+        cls = type(kind)
+        self._linear = (
+            cls.input_sum_squares is LinearKind.input_sum_squares
+            and cls.output_sum_squares is LinearKind.output_sum_squares
+        )
+        self._device_type: str | None = None
+        self._reduce = None
+        self._bias_entries: dict[tuple, Tensor] = {}
+
+    def _resolve(self, x: Tensor) -> None:
+        self._device_type = x.device.type
+        self._reduce = ops.col_sum_squares_for(self._device_type)
+
+    def inputs(self, x: Tensor, dtype: torch.dtype, weight: float = 1.0) -> Tensor:
+        """diag(aᵀa) (d_K, the bias entry included) in ``dtype``, a carrying 1/√N, times
+        ``weight``."""
+        if x.requires_grad:  # a statistic, outside the graph (detach only what is in one)
+            x = x.detach()
+        if self._linear:
+            if x.device.type != self._device_type:
+                self._resolve(x)
+            h, rows = self._reduce(x, -1), x.numel() // max(x.shape[-1], 1)
+        else:
+            h, rows = self._kind.input_sum_squares(self._module, x)
+        scale = 1.0 / max(rows, 1)
+        h = h.to(dtype).mul_(scale).mul_(weight)
+        if not self._bias:
+            return h
+        # the bias entry, N, through the same two multiplies (so rounded alike), made
+        # once per (N, weight, dtype, device): one op less a call than new_full
+        key = (rows, weight, h.dtype, h.device)
+        entry = self._bias_entries.get(key)
+        if entry is None:
+            if len(self._bias_entries) > 64:  # many batch sizes: start over
+                self._bias_entries.clear()
+            entry = h.new_full((1,), float(rows)).mul_(scale).mul_(weight)
+            self._bias_entries[key] = entry
+        return torch.cat([h, entry])
+
+    def outputs(self, grad: Tensor, dtype: torch.dtype) -> Tensor:
+        """diag(gᵀg) (d_C) of the raw output gradient, in ``dtype``."""
+        if grad.requires_grad:  # backward(create_graph=True)
+            grad = grad.detach()
+        if self._linear:
+            if grad.device.type != self._device_type:
+                self._resolve(grad)
+            return self._reduce(grad, -1).to(dtype)
+        return self._kind.output_sum_squares(self._module, grad).to(dtype)
+
+
 def input_sum_squares(layer: Layer, x: Tensor, dtype: torch.dtype) -> Tensor:
     """diag(aᵀa) of :func:`input_matrix` (column sums of squares, bias entry included)
-    without materialising a: one pass over the input (conv patches are not unfolded)."""
-    h, rows = layer.kind.input_sum_squares(layer.module, x.detach())
-    h = h.to(dtype)
-    if layer.bias is not None:
-        h = torch.cat([h, h.new_full((1,), float(rows))])
-    return h.mul_(1.0 / max(rows, 1))
+    without materialising a (:meth:`SquareSums.inputs`)."""
+    return SquareSums(layer).inputs(x, dtype)
 
 
 def grad_output_sum_squares(layer: Layer, grad: Tensor, dtype: torch.dtype) -> Tensor:
-    """diag(gᵀg) of :func:`grad_output_matrix`, in one pass over the output gradient."""
-    return layer.kind.output_sum_squares(layer.module, grad.detach()).to(dtype)
+    """diag(gᵀg) of :func:`grad_output_matrix` (:meth:`SquareSums.outputs`)."""
+    return SquareSums(layer).outputs(grad, dtype)
 
 
 def gradient_matrix(layer: Layer, dtype: torch.dtype) -> Tensor:

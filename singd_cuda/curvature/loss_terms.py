@@ -36,35 +36,76 @@ class LossTermCounter:
 
     def __init__(self, owner: str) -> None:
         self.owner = owner
-        self.sequence_first: set[Layer] = set()
-        self.norm_layers: set[Layer] = set()
+        self._sequence_first: set[Layer] = set()
+        self._norm_layers: set[Layer] = set()
         self._checked: set[int] = set()  # weights whose batch dimension was checked
+        # (layer, output shape, loss_average, batch_dim, model batch) -> (count, whether
+        # the call counts the model input's dimension 0 of a >= 3-D output): the count
+        # depends on these alone once the layer's first call was checked
+        self._counts: dict[tuple, tuple[int, bool]] = {}
+
+    @property
+    def sequence_first(self) -> set[Layer]:
+        """The layers and norm layers of sequence-first transformer modules."""
+        return self._sequence_first
+
+    @sequence_first.setter
+    def sequence_first(self, layers: set[Layer]) -> None:
+        self._sequence_first = layers
+        self._counts.clear()
+
+    @property
+    def norm_layers(self) -> set[Layer]:
+        """The norm layers (their count is :func:`.norm_layers.num_terms`)."""
+        return self._norm_layers
+
+    @norm_layers.setter
+    def norm_layers(self, layers: set[Layer]) -> None:
+        self._norm_layers = layers
+        self._counts.clear()
 
     def count(
         self, layer: Layer, output: Tensor, loss_average: str | None, batch_dim: int | None, capture
     ) -> int:
         """The loss terms ``output`` covers; may set ``capture.model_batch``."""
-        if layer in self.norm_layers:
-            return norm_layers.num_terms(
+        key = (layer, output.shape, loss_average, batch_dim, capture.model_batch)
+        known = self._counts.get(key)
+        if known is None:
+            terms, on_input = self._count(layer, output, loss_average, batch_dim, capture)
+            if layer in self._sequence_first and batch_dim is None:
+                return terms  # it says the model's batch: counted anew at every call
+            if len(self._counts) > 4096:  # many shapes (e.g. every sequence length)
+                self._counts.clear()
+            known = self._counts[key] = (terms, on_input)
+        if known[1] and capture.batch_from_input:
+            capture.counted_on_input = True
+        return known[0]
+
+    def _count(
+        self, layer: Layer, output: Tensor, loss_average: str | None, batch_dim: int | None, capture
+    ) -> tuple[int, bool]:
+        """(the loss terms, whether the count is of the model input's dimension 0 of a
+        >= 3-D output): the counting rule of the module docstring."""
+        if layer in self._norm_layers:
+            terms = norm_layers.num_terms(
                 layer.module, output, loss_average, self.norm_batch_dim(layer, batch_dim)
             )
+            return terms, False
         if batch_dim is not None:
-            return loss_terms(layer, output, loss_average, batch_dim)
-        if layer in self.sequence_first:
+            return loss_terms(layer, output, loss_average, batch_dim), False
+        if layer in self._sequence_first:
             self.told(capture, samples(layer, output, 1))
-            return loss_terms(layer, output, loss_average, 1)
+            return loss_terms(layer, output, loss_average, 1), False
         batch = capture.model_batch
         if batch is None:
-            return loss_terms(layer, output, loss_average, 0)
+            return loss_terms(layer, output, loss_average, 0), False
         if self._sequence_first_output(layer, output, batch):
-            return loss_terms(layer, output, loss_average, 1)
-        if capture.batch_from_input and output.dim() >= 3:
-            capture.counted_on_input = True
+            return loss_terms(layer, output, loss_average, 1), False
         if id(layer.weight) not in self._checked:
             self._checked.add(id(layer.weight))  # the first call says it
             if misplaced_batch(layer, output, 0, batch):
                 self._warn_misplaced_batch(layer, output, batch)
-        return loss_terms(layer, output, loss_average, 0)
+        return loss_terms(layer, output, loss_average, 0), output.dim() >= 3
 
     @staticmethod
     def _sequence_first_output(layer: Layer, output: Tensor, batch: int) -> bool:
@@ -105,7 +146,7 @@ class LossTermCounter:
         against the model's batch)."""
         if batch_dim is not None:
             return batch_dim
-        return 1 if layer in self.sequence_first else 0
+        return 1 if layer in self._sequence_first else 0
 
     def _warn_misplaced_batch(self, layer: Layer, output: Tensor, batch: int) -> None:
         warnings.warn(
@@ -116,5 +157,5 @@ class LossTermCounter:
             "of those layers); batch_dim=0 keeps dimension 0 without this check (README, "
             "'What counts as curvature')",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=4,
         )

@@ -3,7 +3,8 @@
 Every function here runs the fused kernel of the ``singd_cuda`` op library when it is
 available for the tensors' device (CPU always after the first, cached, JIT build; CUDA when
 the CUDA library builds) and otherwise the reference in :mod:`singd_cuda.ops.reference`,
-which computes the same values. ``SINGD_CUDA_FUSED=0`` forces the reference path; a failed
+which computes the same values. ``SINGD_CUDA_FUSED=0`` forces the reference path (read at
+every call, except by :func:`col_sum_squares_for`, which resolves once); a failed
 build warns once and falls back to it. ``python -m singd_cuda.ops build [--cuda]`` prebuilds.
 The ops are registered as ``torch.ops.singd_cuda.*`` with fake implementations, so code
 calling them traces under ``torch.compile(fullgraph=True)``.
@@ -30,7 +31,7 @@ Common conventions of the in-place list ops:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -41,6 +42,7 @@ from . import _build, reference
 __all__ = [
     "adam_epilogue_",
     "col_sum_squares",
+    "col_sum_squares_for",
     "conv2d_patch_sum_squares",
     "diag_factor_update_",
     "diag_precond_step_",
@@ -342,6 +344,15 @@ def col_sum_squares(x: Tensor, dim: int = -1) -> Tensor:
     if _fused_for(x.device.type):
         return torch.ops.singd_cuda.col_sum_squares(x, dim)
     return reference.col_sum_squares(x, dim)
+
+
+def col_sum_squares_for(device_type: str) -> Callable[[Tensor, int], Tensor]:
+    """:func:`col_sum_squares` for tensors on ``device_type``, resolved once: the fused
+    op or the reference, as ``SINGD_CUDA_FUSED`` says now. For callers that reduce on
+    every layer call (the curvature capture), which then read no environment per call."""
+    if _fused_for(device_type):
+        return torch.ops.singd_cuda.col_sum_squares.default
+    return reference.col_sum_squares
 
 
 def conv2d_patch_sum_squares(

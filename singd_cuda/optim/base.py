@@ -38,10 +38,9 @@ from ..curvature.capture import CurvatureCapture, merge_statistics, take_over
 from ..curvature.discovery import find_layers
 from ..curvature.layers import (
     Layer,
+    SquareSums,
     grad_output_matrix,
-    grad_output_sum_squares,
     input_matrix,
-    input_sum_squares,
     own_parameter,
     reduced_grad_output_matrix,
     reduced_input_matrix,
@@ -214,6 +213,8 @@ class KroneckerOptimizer(Optimizer):
         self._layer_group = {
             layer: self._param_group[id(layer.weight)] for layer in self._layers + self._norm_layers
         }
+        self._square_sums = {layer: SquareSums(layer) for layer in self._layers}
+        self._wants: dict[int, tuple] = {}  # group index -> (step, T, wants statistics)
         in_layers = {id(p) for layer in self._layers + self._norm_layers for p in layer.params}
         self._fallback_params = [
             p for g in self.param_groups for p in g["params"] if id(p) not in in_layers
@@ -286,7 +287,14 @@ class KroneckerOptimizer(Optimizer):
     # ---------------------------------------------------------- statistics
     # What the capture asks (singd_cuda.curvature.capture.CaptureOwner).
     def _wants_statistics(self, layer: Layer) -> bool:
-        return self._group_wants_statistics(self.group_of(layer))
+        index = self._layer_group[layer]
+        group = self.param_groups[index]
+        # a function of the group's step and T alone: decided once per step
+        step, period = group["step"], group["T"]
+        known = self._wants.get(index)
+        if known is None or known[0] != step or known[1] is not period:
+            known = self._wants[index] = (step, period, self._group_wants_statistics(group))
+        return known[2]
 
     def _group_wants_statistics(self, group: dict) -> bool:
         return group["step"] % self.update_period(group) == 0
@@ -305,7 +313,7 @@ class KroneckerOptimizer(Optimizer):
 
     def _loss_terms(self, layer: Layer, output: Tensor) -> int:
         """The loss terms one call's output covers (:mod:`singd_cuda.curvature.loss_terms`)."""
-        group = self.group_of(layer)
+        group = self.param_groups[self._layer_group[layer]]
         return self._counter.count(
             layer, output, group["loss_average"], group["batch_dim"], self._capture
         )
@@ -328,7 +336,7 @@ class KroneckerOptimizer(Optimizer):
         ``weight`` (left out when ``with_input`` is False: a later backward pass through
         a call counted already), the output side from the raw output gradient (g without
         √L). True: the call counts."""
-        group = self.group_of(layer)
+        group = self.param_groups[self._layer_group[layer]]
         dtype = accumulation_dtype(layer.weight.dtype)
         if layer in self._norm_set:
             loss_average = group["loss_average"]
@@ -352,16 +360,14 @@ class KroneckerOptimizer(Optimizer):
         if rule.diagonal_statistics(group) and not (
             self._sync is not None and self._sync.distribute_factors
         ):
+            sums = self._square_sums[layer]
             if not with_input:
                 h = torch.zeros(layer.dim_in, dtype=dtype, device=device)
             elif a is not None:
                 h = a.square().sum(0).mul_(weight)
             else:
-                h = input_sum_squares(layer, layer_input, dtype).mul_(weight)
-            if g is not None:
-                s = g.square().sum(0)
-            else:
-                s = grad_output_sum_squares(layer, grad_output, dtype)
+                h = sums.inputs(layer_input, dtype, weight)
+            s = g.square().sum(0) if g is not None else sums.outputs(grad_output, dtype)
             rule.accumulate_diagonal(layer, group, self._layer_state(layer, group), into, h, s)
             return True
         if not with_input:  # no rows: the rules add nothing to the input side

@@ -9,6 +9,7 @@ after an update recomputes them into the same buffers: no step allocates.
 from __future__ import annotations
 
 from collections.abc import Callable
+from operator import is_
 
 from torch import Tensor
 
@@ -32,7 +33,8 @@ class DerivedCache:
 
     def get(self, layer: Layer, sources: tuple[Tensor, ...], derive: Derive) -> tuple:
         entry = self._entries.get(id(layer))
-        same = entry is not None and all(a is b for a, b in zip(entry[0], sources, strict=True))
+        # map(operator.is_): the same test as a generator, without a Python call per source
+        same = entry is not None and all(map(is_, entry[0], sources))
         if same and entry[2]:
             return entry[1]
         values = derive(*sources, out=entry[1] if same else None)

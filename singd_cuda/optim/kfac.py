@@ -366,7 +366,7 @@ class KFAC(KroneckerOptimizer):
     ) -> bool:
         # with fisher="ggn", only the backward passes of capture_ggn count; they are
         # several passes of one forward: the input side comes from the first only
-        if (self.group_of(layer)["fisher"] == "ggn") != self._capturing_ggn:
+        if (self.param_groups[self._layer_group[layer]]["fisher"] == "ggn") != self._capturing_ggn:
             return False
         return super()._accumulate_statistics(
             layer, layer_input, grad_output, weight, into, with_input=with_input

@@ -137,8 +137,8 @@ class SingdRule(LayerRule):
     def accumulate_diagonal(self, layer, group, state, pending, h: Tensor, s: Tensor) -> None:
         """H_K = k² ⊙ diag(aᵀa), H_C = c² ⊙ diag(gᵀg): Π̂(Kᵀ aᵀa K) for diagonal K."""
         squares = self._squares.get(layer, (state["C"]["diag"], state["K"]["diag"]), _squares)
-        H_K = Diagonal(layer.dim_in, diag=h.mul_(squares.k2.to(h.dtype)))
-        H_C = Diagonal(layer.dim_out, diag=s.mul_(squares.c2.to(s.dtype)))
+        H_K = Diagonal(h.shape[0], diag=h.mul_(squares.k2.to(h.dtype)))  # d_K
+        H_C = Diagonal(s.shape[0], diag=s.mul_(squares.c2.to(s.dtype)))  # d_C
         if "in" in pending:
             pending["in"].add_(H_K)
             pending["out"].add_(H_C)

@@ -316,3 +316,51 @@ def test_a_raising_step_hook_leaves_no_loss_scale_behind(name, hook):
 
 def _none(*args) -> None:
     return None
+
+
+# ------------------------------------------------------- a capture raising mid-backward
+class Twice(nn.Module):
+    """A Linear called twice, then a head: in the backward both calls of the Linear stage
+    their statistics before its weight commits them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner = nn.Linear(FEATURES, FEATURES)
+        self.head = nn.Linear(FEATURES, CLASSES)
+        self.double()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.inner(torch.tanh(self.inner(x)))))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_capture_raising_mid_backward_leaves_nothing_staged(name):
+    """The capture raises at the second call of a layer, whose first staged already: the
+    pass counts for nothing (nothing of it waits for a later commit), and later passes
+    still drop what they stage without committing (a ``torch.autograd.grad``). After
+    zero_grad the next step is that of the next batch alone."""
+    (x_bad, y_bad), (x, y) = batches(2)
+
+    def run(failing: bool) -> list[Tensor]:
+        model = Twice()
+        opt = make_optimizer(name, model)
+        if failing:
+            accumulate, calls = opt._accumulate_statistics, []
+
+            def raises_at_the_second_call(layer, *args):
+                calls.append(layer.module)
+                if calls.count(model.inner) == 2:
+                    raise HookError
+                return accumulate(layer, *args)
+
+            opt._accumulate_statistics = raises_at_the_second_call
+            with pytest.raises(HookError):
+                (loss_sum(model(x_bad), y_bad) / len(y_bad)).backward()
+            del opt._accumulate_statistics
+        loss = loss_sum(model(x_bad), y_bad) / len(y_bad)
+        torch.autograd.grad(loss, [model.inner.weight, model.head.weight])
+        plain_step(model, opt, x, y)
+        return params_of(model)
+
+    assert_close_params(run(failing=True), run(failing=False), rtol=0, atol=0)
