@@ -97,7 +97,14 @@ FULL_GRID = {
 #: Seeds of the tuning sweep: apart from the grid's, so that no reported run is a tuning run.
 TUNE_SEEDS = [100]
 #: Steps per task in the default grid (``--full`` and ``tune`` use DEFAULT_STEPS).
-QUICK_STEPS = {"mnist1d_mlp": 500, "mnist1d_cnn": 200, "lm": 40, "llama_lm": 100, "digits": 100}
+QUICK_STEPS = {
+    "mnist1d_mlp": 500,
+    "mnist1d_cnn": 200,
+    "lm": 40,
+    "llama_lm": 100,
+    "digits": 100,
+    "digits_vit": 100,
+}
 
 
 def say(text: str = "") -> None:

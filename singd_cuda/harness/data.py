@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .models import GPT, MNIST1DCNN, MNIST1DMLP, DigitsCNN, GPTConfig, llama_small
+from .models import GPT, MNIST1DCNN, MNIST1DMLP, DigitsCNN, GPTConfig, PatchViT, llama_small
 
 #: Standard-library modules whose source makes the LM corpus (read in this order).
 CORPUS_MODULES = (os, inspect, argparse, textwrap)
@@ -51,10 +51,13 @@ DEFAULT_STEPS = {
     "lm": 200,
     "llama_lm": 1000,
     "digits": 150,
+    "digits_vit": 300,
 }
 #: Context length and held-out windows of the byte-level ``llama_lm`` task.
 LLAMA_CONTEXT = 128
 LLAMA_HELD_OUT_WINDOWS = 64
+#: Side of the square patches ``digits_vit`` cuts the 8x8 digits into (16 tokens of 4 pixels).
+DIGITS_PATCH = 2
 #: Test accuracy of the MNIST-1D paper's table (Adam, 6000 steps), for comparison.
 PAPER_ACCURACY = {"mnist1d_mlp": 0.68, "mnist1d_cnn": 0.94}
 #: The paper's logistic-regression baseline, quoted next to the MNIST-1D results.
@@ -153,8 +156,10 @@ def mnist1d_cnn_task() -> Task:
     return _mnist1d_task("mnist1d_cnn", MNIST1DCNN, "CNN")
 
 
-def digits_task() -> Task:
-    """Digits classification with a BatchNorm CNN (batch 64, 1437 train / 360 test)."""
+def digits_arrays() -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """scikit-learn's digits (nothing downloaded): train x (1437, 1, 8, 8), train y,
+    test x (360, 1, 8, 8), test y; a fixed permutation (seed 0) splits them, and the
+    pixels are standardised with the training set's mean and std."""
     from sklearn.datasets import load_digits
 
     images, labels = load_digits(return_X_y=True)
@@ -164,16 +169,49 @@ def digits_task() -> Task:
     train, test = order[:1437], order[1437:]
     mean, std = x[train].mean(), x[train].std()
     x = (x - mean) / std
+    return x[train], y[train], x[test], y[test]
+
+
+def digits_task() -> Task:
+    """Digits classification with a BatchNorm CNN (batch 64, 1437 train / 360 test)."""
+    train_x, train_y, eval_x, eval_y = digits_arrays()
     return Task(
         name="digits",
         description="sklearn digits 8x8, CNN with BatchNorm",
         batch_size=64,
         loss_average="batch",
         make_model=DigitsCNN,
-        train_x=x[train],
-        train_y=y[train],
-        eval_x=x[test],
-        eval_y=y[test],
+        train_x=train_x,
+        train_y=train_y,
+        eval_x=eval_x,
+        eval_y=eval_y,
+    )
+
+
+def patchify(images: Tensor, patch: int) -> Tensor:
+    """(N, C, H, W) -> (N, (H/patch)(W/patch), C patch^2): non-overlapping patches in
+    row-major order, each flattened channel-major then row-major."""
+    n, c, h, w = images.shape
+    grid = images.view(n, c, h // patch, patch, w // patch, patch)
+    return grid.permute(0, 2, 4, 1, 3, 5).reshape(n, (h // patch) * (w // patch), -1)
+
+
+def digits_vit_task() -> Task:
+    """Digits as 16 patches of 2x2 pixels with a :class:`PatchViT` (batch 64, the same
+    1437 / 360 split as ``digits``)."""
+    train_x, train_y, eval_x, eval_y = digits_arrays()
+    tokens = (8 // DIGITS_PATCH) ** 2
+    return Task(
+        name="digits_vit",
+        description=f"sklearn digits 8x8 as {tokens} patches of {DIGITS_PATCH}x{DIGITS_PATCH}, "
+        "2-block ViT (width 64, mean pool)",
+        batch_size=64,
+        loss_average="batch",
+        make_model=functools.partial(PatchViT, tokens, DIGITS_PATCH**2),
+        train_x=patchify(train_x, DIGITS_PATCH),
+        train_y=train_y,
+        eval_x=patchify(eval_x, DIGITS_PATCH),
+        eval_y=eval_y,
     )
 
 
@@ -251,4 +289,5 @@ TASKS: dict[str, Callable[[], Task]] = {
     "lm": lm_task,
     "llama_lm": llama_lm_task,
     "digits": digits_task,
+    "digits_vit": digits_vit_task,
 }

@@ -3,6 +3,8 @@
 * :class:`MNIST1DMLP` and :class:`MNIST1DCNN` - the MLP and CNN of the MNIST-1D paper
   (Greydanus & Kobak, arXiv 2011.14439; ``MLPBase`` and ``ConvBase`` of its repository).
 * :class:`DigitsCNN` - a small CNN with BatchNorm for the 8x8 digits task.
+* :class:`PatchViT` - a small vision transformer over flattened patches (linear patch
+  embedding, learned positions, pre-LN blocks, mean pooling) for the ``digits_vit`` task.
 * :class:`GPT` - a decoder-only transformer (token and position embeddings, causal
   self-attention, LayerNorm, MLP); the character LM task uses a small config and
   :func:`gpt_tiny` a larger one.
@@ -206,6 +208,36 @@ class ViT(nn.Module):
         x = self.patches(x).flatten(2).transpose(1, 2)
         x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1) + self.positions
         return self.head(self.ln(self.blocks(x))[:, 0])
+
+
+class PatchViT(nn.Module):
+    """Vision transformer over pre-cut patches: a linear patch embedding, learned position
+    embeddings, ``depth`` pre-LN :class:`Block` s (fused qkv, output and MLP projections, all
+    ``nn.Linear``), a final LayerNorm, mean pooling over the patches and a linear head.
+
+    Input (N, patches, patch_dim) float; output (N, classes) logits.
+    """
+
+    def __init__(
+        self,
+        patches: int = 16,
+        patch_dim: int = 4,
+        dim: int = 64,
+        depth: int = 2,
+        heads: int = 4,
+        mlp_ratio: int = 2,
+        classes: int = 10,
+    ) -> None:
+        super().__init__()
+        self.embed = nn.Linear(patch_dim, dim)
+        self.positions = nn.Parameter(0.02 * torch.randn(1, patches, dim))
+        self.blocks = nn.Sequential(*(Block(dim, heads, mlp_ratio, False) for _ in range(depth)))
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.blocks(self.embed(x) + self.positions)
+        return self.head(self.ln(h).mean(dim=1))
 
 
 class BasicBlock(nn.Module):

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from singd_cuda import SINGD
 from singd_cuda.harness.data import (
     TASKS,
     VOCAB,
@@ -14,8 +15,9 @@ from singd_cuda.harness.data import (
     encode,
     lm_task,
     mnist1d_mlp_task,
+    patchify,
 )
-from singd_cuda.harness.models import MNIST1DCNN, MNIST1DMLP
+from singd_cuda.harness.models import MNIST1DCNN, MNIST1DMLP, PatchViT
 from singd_cuda.harness.optimizers import OptimizerChoice
 from singd_cuda.harness.runner import EVALUATIONS, RunSpec, train
 
@@ -39,6 +41,54 @@ def test_mnist1d_models_have_the_paper_parameter_counts():
     assert count(MNIST1DCNN()) == 5210  # ConvBase: 25 channels, linear 125 -> 10
     assert count(MNIST1DMLP()) == 15210  # MLPBase: hidden 100
     assert MNIST1DCNN()(torch.randn(3, 40)).shape == (3, 10)
+
+
+@pytest.mark.parametrize("patch", [2, 4])
+def test_patchify_cuts_row_major_patches_and_loses_no_pixel(patch):
+    images = torch.arange(2 * 64, dtype=torch.float32).view(2, 1, 8, 8)
+    tokens = patchify(images, patch)
+    side = 8 // patch
+    assert tokens.shape == (2, side**2, patch * patch)
+    first = [8 * r + c for r in range(patch) for c in range(patch)]  # pixel indices, row-major
+    assert tokens[0, 0].tolist() == first
+    assert tokens[0, 1].tolist() == [v + patch for v in first]  # the patch to its right
+    assert tokens[0, side].tolist() == [v + 8 * patch for v in first]  # the patch below
+    assert tokens[1, 0].tolist() == [v + 64 for v in first]  # the second image
+    assert torch.equal(tokens.flatten().sort().values, images.flatten())
+    two_channels = torch.stack([images[:, 0], -images[:, 0]], dim=1)  # channel-major patches
+    assert patchify(two_channels, patch)[0, 0].tolist() == first + [-v for v in first]
+
+
+def test_digits_vit_is_the_digits_split_as_patches_through_a_vit():
+    pytest.importorskip("sklearn")
+    digits, vit = TASKS["digits"](), TASKS["digits_vit"]()
+    assert vit.train_x.shape == (1437, 16, 4) and vit.eval_x.shape == (360, 16, 4)
+    assert torch.equal(vit.train_x, patchify(digits.train_x, 2))
+    assert torch.equal(vit.eval_x, patchify(digits.eval_x, 2))
+    assert torch.equal(vit.train_y, digits.train_y) and torch.equal(vit.eval_y, digits.eval_y)
+    model = vit.make_model()
+    assert model(vit.eval_x[:3]).shape == (3, 10)
+    blocks = [
+        f"blocks.{i}.{n}" for i in (0, 1) for n in ("attn.qkv", "attn.proj", "mlp.0", "mlp.2")
+    ]
+    linears = {name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert linears == {"embed", "head", *blocks}
+    assert set(SINGD(model).preconditioned()) == linears  # q/k/v, out, MLP, embedding, head
+    s = RunSpec(
+        "digits_vit", OptimizerChoice("singd", "diagonal"), "fp32", "fp32", 0, 3, (("lr", 1e-3),)
+    )
+    result = train(vit, s, CPU)
+    assert result.stable and result.eval_loss[-1] < result.eval_loss[0]
+
+
+def test_patch_vit_pools_over_patches_and_depends_on_their_positions():
+    torch.manual_seed(0)
+    model = PatchViT(patches=4, patch_dim=3, dim=8, depth=1, heads=2)
+    x = torch.randn(2, 4, 3)
+    assert model(x).shape == (2, 10)
+    assert not torch.allclose(model(x), model(x.flip(1)))  # learned positions break symmetry
+    model.positions.data.zero_()
+    torch.testing.assert_close(model(x), model(x.flip(1)))  # otherwise permutation-invariant
 
 
 def test_batches_depend_only_on_the_seed():
