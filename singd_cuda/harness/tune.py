@@ -120,17 +120,22 @@ def write_outputs(out: Path, chosen: dict, rows: list[dict], meta: dict) -> None
 
 def record(chosen: dict, meta: dict, path: Path = TUNED_MODULE) -> None:
     """Rewrite :mod:`singd_cuda.harness.tuned` with ``chosen``, merged over the values
-    already recorded for other tasks and optimizers."""
+    already recorded for other tasks and optimizers: the step counts merge likewise, and
+    the command joins the earlier ones (``&&``) unless it is the last of them."""
     merged = {task: dict(values) for task, values in tuned.TUNED.items()}
     for task, values in chosen.items():
         merged.setdefault(task, {}).update(values)
+    steps = {**tuned.STEPS, **meta["steps"]}
+    command = meta["command"]
+    if tuned.COMMAND and not tuned.COMMAND.endswith(command):
+        command = f"{tuned.COMMAND} && {command}"
     path.write_text(
         '"""Tuned hyperparameters of the harness, written by ``singd-harness tune --record``.\n\n'
         "The default run uses these values in every precision; re-tune with ``--tune``.\n"
         '"""\n\n'
-        f"COMMAND = {json.dumps(meta['command'])}  # noqa: E501\n"
+        f"COMMAND = {json.dumps(command)}  # noqa: E501\n"
         f"CREATED = {json.dumps(meta['created'])}\n"
-        f"{_assignment('STEPS: dict[str, int]', meta['steps'])}\n"
+        f"{_assignment('STEPS: dict[str, int]', steps)}\n"
         f"{_assignment('TUNED: dict[str, dict[str, dict[str, float]]]', merged)}\n"
     )
 

@@ -264,7 +264,9 @@ def test_tune_writes_chosen_values_and_the_sweep(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("tuned_copy", module)
     recorded = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recorded)
-    assert payload["command"] == recorded.COMMAND
+    # merged over what was recorded: the earlier commands and other tasks' step counts stay
+    assert f"{tuning.tuned.COMMAND} && {payload['command']}" == recorded.COMMAND
+    assert recorded.STEPS == {**tuning.tuned.STEPS, "mnist1d_mlp": 2}
     assert recorded.TUNED["mnist1d_mlp"]["adamw"] == chosen["adamw"]
 
 
