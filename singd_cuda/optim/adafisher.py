@@ -14,6 +14,7 @@ with their modules by identity, not by index.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -241,21 +242,43 @@ class StackedNormalise:
     rows are normalised by broadcasting over (L, 1) minima and spans, and copied out.
     Elementwise the same arithmetic as one vector at a time, so bitwise the same result.
 
-    The scratch of each set of output buffers is kept for the next call with the same
-    set (a set not seen in the last call that had pairs is dropped): warm steps allocate nothing.
+    The sets, their scratch and row views are kept for the next call with the same pairs
+    (the same tensor objects): a warm step allocates nothing and regroups nothing. A call
+    with other pairs builds them anew (reusing the scratch of a set of the same output
+    buffers).
     """
 
     def __init__(self) -> None:
         self._scratch: dict[tuple, tuple[Tensor, ...]] = {}
+        self._pairs: list[Tensor] = []  # the last call's pairs, flattened
+        # per set: (rows, low, span, constant, one, row views, vectors, outputs)
+        self._sets: list[tuple] = []
 
     def __call__(self, pairs: list[tuple[Tensor, Tensor]]) -> None:
         """Write min_max_normalise(v) into ``out`` for every (v (d,), out (d,)) pair."""
         if not pairs:
             return  # a step without a factor update: keep the scratch for the next one
+        flat = [t for pair in pairs for t in pair]
+        if len(flat) != len(self._pairs) or not all(map(operator.is_, flat, self._pairs)):
+            self._prepare(pairs)
+            self._pairs = flat
+        for rows, low, span, constant, one, views, vectors, outs in self._sets:
+            torch._foreach_copy_(views, vectors)
+            torch.aminmax(rows, dim=1, keepdim=True, out=(low, span))
+            span.sub_(low)
+            torch.sub(one, torch.sign(span, out=constant), out=constant)
+            span.add_(constant).clamp_min_(torch.finfo(rows.dtype).tiny)
+            rows.sub_(low).add_(constant).div_(span)
+            torch._foreach_copy_(outs, views)
+
+    def _prepare(self, pairs: list[tuple[Tensor, Tensor]]) -> None:
+        """The sets of ``pairs`` and their scratch (kept from the last preparation for a
+        set of the same output buffers; the others' are dropped)."""
         sets: dict[tuple, list[tuple[Tensor, Tensor]]] = {}
         for v, out in pairs:
             sets.setdefault((v.numel(), v.dtype, out.dtype, out.device), []).append((v, out))
         kept = {}
+        self._sets = []
         for shape, members in sets.items():
             # ids alone could be reused by buffers of another length (after a load)
             key = (*shape, *(id(out) for _, out in members))
@@ -266,15 +289,9 @@ class StackedNormalise:
                 scalars = out.new_empty((3, len(members), 1))
                 scratch = (rows, *scalars.unbind(), normalise_scratch(out)[3])
             kept[key] = scratch
-            rows, low, span, constant, one = scratch
-            vectors = list(rows.unbind())
-            torch._foreach_copy_(vectors, [v for v, _ in members])
-            torch.aminmax(rows, dim=1, keepdim=True, out=(low, span))
-            span.sub_(low)
-            torch.sub(one, torch.sign(span, out=constant), out=constant)
-            span.add_(constant).clamp_min_(torch.finfo(rows.dtype).tiny)
-            rows.sub_(low).add_(constant).div_(span)
-            torch._foreach_copy_([out for _, out in members], vectors)
+            views = list(scratch[0].unbind())
+            vectors, outs = [v for v, _ in members], [out for _, out in members]
+            self._sets.append((*scratch, views, vectors, outs))
         self._scratch = kept
 
 

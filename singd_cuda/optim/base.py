@@ -60,7 +60,7 @@ from .finite import (
     FiniteCheck,
     LateVerdict,
     skip_message,
-    tensors_of,
+    statistics_tensors,
 )
 from .loss_scale import stepping_scaler
 from .norm_fisher import norm_step
@@ -579,7 +579,7 @@ class KroneckerOptimizer(Optimizer):
             grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
             local = grads if self._sync is None else self._sync.local_tensors(grads)
             self._finite.check(local, GRADIENT)
-        self._finite.check(tensors_of(self._pending), STATISTICS)
+        self._finite.check(statistics_tensors(self._pending), STATISTICS)
 
     def _decided_on_device(self) -> Tensor | None:
         """With ``nonfinite='device'``: the step's skip flag as a one-element tensor on the
