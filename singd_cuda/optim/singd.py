@@ -22,7 +22,7 @@ from ..structures.congruence import congruence, shared_statistic
 from ..structures.diagonal import Diagonal
 from . import hyperparameters as hp
 from . import warm_start
-from .adafisher import ADAFISHER, AdaFisherRule, DiagonalBatch, DiagonalViews
+from .adafisher import ADAFISHER, AdaFisherRule, DiagonalViews, KeptBatch
 from .base import KroneckerOptimizer, checked_fallback
 from .derived import DerivedCache, GroupCache
 from .factor_memory import warn_large_factors
@@ -72,6 +72,7 @@ class SingdRule(LayerRule):
         self._outer = DerivedCache()  # (C Cᵀ or None, K Kᵀ or None) between factor updates
         self._stacked = GroupCache()  # the same of groups of layers, stacked
         self._views = DiagonalViews()  # diagonal path: the parameters' views, between steps
+        self._kept = KeptBatch()  # diagonal path: the last batch's lists, between steps
 
     def _classes(self, group: dict) -> tuple[type[StructuredMatrix], type[StructuredMatrix]]:
         return _structure_classes(*group["structures"])
@@ -185,10 +186,9 @@ class SingdRule(LayerRule):
             for layer, s in zip(layers, states, strict=True)
         ]
         _fill_squares(stale)
-        batch = DiagonalBatch(self._views)
         buf_key = "momentum_buffer" if momentum != 0.0 else None
-        for layer, layer_states, layer_squares in zip(layers, states, squares, strict=True):
-            batch.add(layer, layer_states, layer_squares.c2, layer_squares.k2, buf_key)
+        rows, cols = [sq.c2 for sq in squares], [sq.k2 for sq in squares]
+        batch = self._kept.batch(layers, states, rows, cols, buf_key, self._views)
         ops.diag_precond_step_(
             *batch.lists(),
             mode="singd",
