@@ -31,6 +31,25 @@ def partition(items: Sequence, key: Callable[[object], Hashable]) -> list[list]:
     return list(parts.values())
 
 
+def sums_into(vectors: Sequence[Tensor], outs: Sequence[Tensor]) -> None:
+    """outs[i] <- the sum of vectors[i] in outs[i]'s dtype, bitwise ``torch.sum(vectors[i],
+    0, keepdim=True, dtype=outs[i].dtype, out=outs[i])`` (outs (1,)). On the CPU, where a
+    row of a stack reduces as a vector does (checked for lengths 1..4097 and every float
+    dtype), one stacked row sum per set of equal length and dtypes; elsewhere one sum per
+    vector."""
+    if not vectors:
+        return
+    if vectors[0].device.type != "cpu":
+        for vector, out in zip(vectors, outs, strict=True):
+            torch.sum(vector, 0, keepdim=True, dtype=out.dtype, out=out)
+        return
+    key = lambda i: (vectors[i].numel(), vectors[i].dtype, outs[i].dtype)  # noqa: E731
+    for part in partition(range(len(vectors)), key):
+        stacked = torch.stack([vectors[i] for i in part])
+        sums = torch.sum(stacked, 1, keepdim=True, dtype=outs[part[0]].dtype)
+        torch._foreach_copy_([outs[i] for i in part], list(sums.unbind(0)))
+
+
 def stacked_gradients(
     layers: Sequence[Layer], dtype: torch.dtype, start: int = 0, inv_scale: Tensor | None = None
 ) -> Tensor:

@@ -27,7 +27,7 @@ from .base import KroneckerOptimizer, checked_fallback
 from .derived import DerivedCache, GroupCache
 from .factor_memory import warn_large_factors
 from .graft import GRAFTS, graft_
-from .grouped import StackedProduct, partition, stacked_gradients
+from .grouped import StackedProduct, partition, stacked_gradients, sums_into
 from .rule import LayerRule, scheduled
 from .scale_out import DEFAULT_BUCKET_CAP_MB
 from .write import sgd_update_
@@ -207,6 +207,7 @@ class SingdRule(LayerRule):
         :func:`diag_factor_update_`, its scalars in the layers' cached buffers (no
         allocation)."""
         factors, momenta, h, a, b, means, inv_dims = [], [], [], [], [], [], []
+        sums, sum_outs = [], []  # H's vectors and where their sums go
         for layer, state, pending in zip(layers, states, pendings, strict=True):
             k, c = state["K"]["diag"], state["C"]["diag"]
             acc = torch.float64 if k.dtype == torch.float64 else torch.float32
@@ -218,13 +219,14 @@ class SingdRule(LayerRule):
             h += [h_K, h_C]
             if not group["kfac_like"]:
                 squares = self._squares.get(layer, (c, k), _squares)
-                torch.sum(h_C, 0, keepdim=True, out=squares.mean_parts[0])
-                torch.sum(h_K, 0, keepdim=True, out=squares.mean_parts[1])
+                sums += [h_C, h_K]
+                sum_outs += squares.mean_parts
                 means.append(squares.means)  # tr̄(H) of the other side, once scaled
                 inv_dims.append(squares.inv_dims)
                 a += squares.mean_parts
                 b += squares.trace_parts  # tr̄(Π̂(otherᵀ other))
         if means:
+            sums_into(sums, sum_outs)
             torch._foreach_mul_(means, inv_dims)
         ops.diag_factor_update_(
             factors,
@@ -568,11 +570,9 @@ def _fill_squares(entries: list[tuple[Tensor, Tensor, DiagonalSquares]]) -> None
         torch._foreach_copy_(
             rounded, [sq for _, _, out in entries if out.rounded is not None for sq in out[:2]]
         )
-    for _, _, out in entries:
-        acc = out.traces.dtype
-        stored = (out.c2, out.k2) if out.rounded is None else out.rounded
-        for vector, trace in zip(stored, out.trace_parts, strict=True):
-            torch.sum(vector, 0, keepdim=True, dtype=acc, out=trace)
+    stored = [v for _, _, out in entries for v in (out.rounded or (out.c2, out.k2))]
+    traces = [trace for _, _, out in entries for trace in out.trace_parts]
+    sums_into(stored, traces)
     torch._foreach_mul_(
         [out.traces for _, _, out in entries], [out.inv_dims for _, _, out in entries]
     )
