@@ -16,7 +16,12 @@ def states() -> list[dict]:
             "step": 1,
             "exp_avg": torch.ones(3),
         },
-        {"h": torch.arange(4.0), "K": {"mat": torch.eye(2)}, "step": 5},
+        {
+            "h": torch.arange(4.0),
+            "K": {"mat": torch.eye(2, dtype=torch.float64)},  # another dtype: its own copy
+            "T": torch.arange(6.0).reshape(2, 3).t(),  # strided: cloned
+            "step": 5,
+        },
     ]
 
 
@@ -24,6 +29,8 @@ def scribble(states: list[dict]) -> None:
     for state in states:
         state["h"].fill_(float("nan"))
         state["K"]["mat"].fill_(float("inf"))
+        if "T" in state:
+            state["T"].fill_(-1.0)
         state["step"] += 1
 
 
@@ -36,12 +43,13 @@ def test_restore_after_the_objects_of_a_state_changed():
         ]
         undo.save(given)
         scribble(given)
-        assert len(undo.updated()) == 4
+        assert len(undo.updated()) == 5
         undo.restore()
         for state, saved in zip(given, expected, strict=True):
             assert torch.equal(state["h"], saved["h"])
             assert torch.equal(state["K"]["mat"], saved["K"])
             assert state["step"] == saved["step"]
+        assert torch.equal(given[1]["T"], torch.arange(6.0).reshape(2, 3).t())
     # a load_state_dict replaces the tensors, a nested dict, and adds an entry
     given[0]["h"] = torch.full((3,), 7.0)
     given[1]["K"] = {"mat": torch.full((2, 2), 3.0)}
