@@ -27,7 +27,7 @@ from .base import KroneckerOptimizer, checked_fallback
 from .derived import DerivedCache, GroupCache
 from .factor_memory import warn_large_factors
 from .graft import GRAFTS, graft_
-from .grouped import StackedProduct, partition, stacked_gradients, sums_into
+from .grouped import StackedProduct, StackedSums, partition, stacked_gradients
 from .rule import LayerRule, scheduled
 from .scale_out import DEFAULT_BUCKET_CAP_MB
 from .write import sgd_update_
@@ -73,6 +73,7 @@ class SingdRule(LayerRule):
         self._stacked = GroupCache()  # the same of groups of layers, stacked
         self._views = DiagonalViews()  # diagonal path: the parameters' views, between steps
         self._kept = KeptBatch()  # diagonal path: the last batch's lists, between steps
+        self._traces, self._means = StackedSums(), StackedSums()  # diagonal path: their sums
 
     def _classes(self, group: dict) -> tuple[type[StructuredMatrix], type[StructuredMatrix]]:
         return _structure_classes(*group["structures"])
@@ -185,7 +186,7 @@ class SingdRule(LayerRule):
             self._squares.get(layer, (s[0]["C"]["diag"], s[0]["K"]["diag"]), derive)
             for layer, s in zip(layers, states, strict=True)
         ]
-        _fill_squares(stale)
+        _fill_squares(stale, self._traces)
         buf_key = "momentum_buffer" if momentum != 0.0 else None
         rows, cols = [sq.c2 for sq in squares], [sq.k2 for sq in squares]
         batch = self._kept.batch(layers, states, rows, cols, buf_key, self._views)
@@ -226,7 +227,7 @@ class SingdRule(LayerRule):
                 a += squares.mean_parts
                 b += squares.trace_parts  # tr̄(Π̂(otherᵀ other))
         if means:
-            sums_into(sums, sum_outs)
+            self._means(sums, sum_outs)
             torch._foreach_mul_(means, inv_dims)
         ops.diag_factor_update_(
             factors,
@@ -556,10 +557,12 @@ def _square_buffers(c: Tensor, k: Tensor) -> DiagonalSquares:
     )
 
 
-def _fill_squares(entries: list[tuple[Tensor, Tensor, DiagonalSquares]]) -> None:
+def _fill_squares(
+    entries: list[tuple[Tensor, Tensor, DiagonalSquares]], sums: StackedSums | None = None
+) -> None:
     """Fill each (c, k, out) entry's :class:`DiagonalSquares` from its factors: the squares
-    and the scalings by the dimensions as one multi-tensor call each, the traces one sum
-    per vector."""
+    and the scalings by the dimensions as one multi-tensor call each, the traces by
+    ``sums`` (one sum per vector when None)."""
     if not entries:
         return
     squares = [square for _, _, out in entries for square in (out.c2, out.k2)]
@@ -572,7 +575,11 @@ def _fill_squares(entries: list[tuple[Tensor, Tensor, DiagonalSquares]]) -> None
         )
     stored = [v for _, _, out in entries for v in (out.rounded or (out.c2, out.k2))]
     traces = [trace for _, _, out in entries for trace in out.trace_parts]
-    sums_into(stored, traces)
+    if sums is not None:
+        sums(stored, traces)
+    else:
+        for vector, trace in zip(stored, traces, strict=True):
+            torch.sum(vector, 0, keepdim=True, dtype=trace.dtype, out=trace)
     torch._foreach_mul_(
         [out.traces for _, _, out in entries], [out.inv_dims for _, _, out in entries]
     )
