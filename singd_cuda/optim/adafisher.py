@@ -14,6 +14,7 @@ with their modules by identity, not by index.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -100,6 +101,7 @@ class DiagonalBatch:
         self._views = views
         # (tensor, its updated matrix copy, (matrix, tensor) -> shaped like tensor, transposed)
         self._copies: list[tuple[Tensor, Tensor, Callable, bool]] = []
+        self.grad_views: list[tuple | None] = []  # each grad's _Queued.grad_view, or None
 
     def _matrix(
         self, tensor: Tensor, as_matrix, from_matrix, transposed: bool, updated: bool
@@ -149,10 +151,11 @@ class DiagonalBatch:
             self.rows.append(entry.rows)
             self.cols.append(entry.cols)
             if entry.grad_view is not None and grad.stride() == param.stride():
-                shape, stride, offset = entry.grad_view  # (a gradient has its shape)
-                self.grads.append(grad.as_strided(shape, stride, grad.storage_offset() + offset))
+                self.grads.append(_grad_view(grad, entry.grad_view))  # (it has its shape)
+                self.grad_views.append(entry.grad_view)
             else:  # copies, or a gradient laid out unlike its parameter
                 self.grads.append(self._matrix(grad, *self._layout(layer, param), False)[0])
+                self.grad_views.append(None)
 
     @staticmethod
     def _layout(layer: Layer, param: Tensor) -> tuple[Callable, Callable, bool]:
@@ -189,6 +192,73 @@ class DiagonalBatch:
         """Copy the updated matrix copies into the tensors they stand for (after the op)."""
         for tensor, copy, from_matrix, transposed in self._copies:
             tensor.copy_(from_matrix(copy.T if transposed else copy, tensor))
+
+
+class KeptBatch:
+    """The lists of a rule's last :class:`DiagonalBatch`, kept for the next step while
+    it would queue the same: the same parameters, buffers and scale vectors (as objects),
+    gradients for the same parameters strided as before, every matrix a view (no copies
+    to write back). A warm step then only views the new gradients."""
+
+    def __init__(self) -> None:
+        self._sources: list = []  # parameters, buffers, scale vectors of the kept batch
+        self._present: list[bool] = []  # which parameters had a gradient
+        self._strides: list[tuple[int, ...]] = []  # the queued gradients' strides
+        self._lists: tuple[list[Tensor], ...] | None = None  # (params, bufs, rows, cols)
+        self._grad_views: list[tuple | None] = []  # None: the gradient itself
+
+    def batch(
+        self,
+        layers: list[Layer],
+        states: list[list[dict]],
+        rows: list[Tensor],
+        cols: list[Tensor],
+        buf_key: str | None,
+        views: DiagonalViews,
+    ) -> DiagonalBatch:
+        """The batch of ``layers`` with the row and column scales of each (as
+        :meth:`DiagonalBatch.add`), its lists kept from the last call where they hold."""
+        params = [p for layer in layers for p in layer.params]
+        grads = [p.grad for p in params]
+        present = [grad is not None for grad in grads]
+        bufs = [] if buf_key is None else [s.get(buf_key) for ss in states for s in ss]
+        sources = [*params, *bufs, *rows, *cols]
+        if (
+            self._lists is not None
+            and present == self._present
+            and len(sources) == len(self._sources)
+            and all(map(operator.is_, sources, self._sources))
+        ):
+            queued = [grad for grad in grads if grad is not None]
+            if list(map(Tensor.stride, queued)) == self._strides:
+                batch = DiagonalBatch()
+                batch.params, batch.bufs, batch.rows, batch.cols = self._lists
+                batch.grads = [
+                    grad if view is None else _grad_view(grad, view)
+                    for grad, view in zip(queued, self._grad_views, strict=True)
+                ]
+                return batch
+        batch = DiagonalBatch(views)
+        for layer, layer_states, row, col in zip(layers, states, rows, cols, strict=True):
+            batch.add(layer, layer_states, row, col, buf_key)
+        self._lists = None
+        if not batch._copies and None not in batch.grad_views:  # views only: keep
+            queued = [grad for grad in grads if grad is not None]
+            bufs = [] if buf_key is None else [s.get(buf_key) for ss in states for s in ss]
+            self._sources = [*params, *bufs, *rows, *cols]  # (the buffers add created)
+            self._present, self._strides = present, list(map(Tensor.stride, queued))
+            self._lists = (batch.params, batch.bufs, batch.rows, batch.cols)
+            self._grad_views = [
+                None if view == (tuple(grad.shape), grad.stride(), 0) else view
+                for grad, view in zip(queued, batch.grad_views, strict=True)
+            ]
+        return batch
+
+
+def _grad_view(grad: Tensor, view: tuple) -> Tensor:
+    """The matrix of ``grad`` at ``view`` = (shape, stride, offset from its start)."""
+    shape, stride, offset = view
+    return grad.as_strided(shape, stride, grad.storage_offset() + offset)
 
 
 def _column(bias: Tensor) -> Tensor:
@@ -248,21 +318,43 @@ class StackedNormalise:
     rows are normalised by broadcasting over (L, 1) minima and spans, and copied out.
     Elementwise the same arithmetic as one vector at a time, so bitwise the same result.
 
-    The scratch of each set of output buffers is kept for the next call with the same
-    set (a set not seen in the last call that had pairs is dropped): warm steps allocate nothing.
+    The sets, their scratch and row views are kept for the next call with the same pairs
+    (the same tensor objects): a warm step allocates nothing and regroups nothing. A call
+    with other pairs builds them anew (reusing the scratch of a set of the same output
+    buffers).
     """
 
     def __init__(self) -> None:
         self._scratch: dict[tuple, tuple[Tensor, ...]] = {}
+        self._pairs: list[Tensor] = []  # the last call's pairs, flattened
+        # per set: (rows, low, span, constant, one, row views, vectors, outputs)
+        self._sets: list[tuple] = []
 
     def __call__(self, pairs: list[tuple[Tensor, Tensor]]) -> None:
         """Write min_max_normalise(v) into ``out`` for every (v (d,), out (d,)) pair."""
         if not pairs:
             return  # a step without a factor update: keep the scratch for the next one
+        flat = [t for pair in pairs for t in pair]
+        if len(flat) != len(self._pairs) or not all(map(operator.is_, flat, self._pairs)):
+            self._prepare(pairs)
+            self._pairs = flat
+        for rows, low, span, constant, one, views, vectors, outs in self._sets:
+            torch._foreach_copy_(views, vectors)
+            torch.aminmax(rows, dim=1, keepdim=True, out=(low, span))
+            span.sub_(low)
+            torch.sub(one, torch.sign(span, out=constant), out=constant)
+            span.add_(constant).clamp_min_(torch.finfo(rows.dtype).tiny)
+            rows.sub_(low).add_(constant).div_(span)
+            torch._foreach_copy_(outs, views)
+
+    def _prepare(self, pairs: list[tuple[Tensor, Tensor]]) -> None:
+        """The sets of ``pairs`` and their scratch (kept from the last preparation for a
+        set of the same output buffers; the others' are dropped)."""
         sets: dict[tuple, list[tuple[Tensor, Tensor]]] = {}
         for v, out in pairs:
             sets.setdefault((v.numel(), v.dtype, out.dtype, out.device), []).append((v, out))
         kept = {}
+        self._sets = []
         for shape, members in sets.items():
             # ids alone could be reused by buffers of another length (after a load)
             key = (*shape, *(id(out) for _, out in members))
@@ -273,15 +365,9 @@ class StackedNormalise:
                 scalars = out.new_empty((3, len(members), 1))
                 scratch = (rows, *scalars.unbind(), normalise_scratch(out)[3])
             kept[key] = scratch
-            rows, low, span, constant, one = scratch
-            vectors = list(rows.unbind())
-            torch._foreach_copy_(vectors, [v for v, _ in members])
-            torch.aminmax(rows, dim=1, keepdim=True, out=(low, span))
-            span.sub_(low)
-            torch.sub(one, torch.sign(span, out=constant), out=constant)
-            span.add_(constant).clamp_min_(torch.finfo(rows.dtype).tiny)
-            rows.sub_(low).add_(constant).div_(span)
-            torch._foreach_copy_([out for _, out in members], vectors)
+            views = list(scratch[0].unbind())
+            vectors, outs = [v for v, _ in members], [out for _, out in members]
+            self._sets.append((*scratch, views, vectors, outs))
         self._scratch = kept
 
 
@@ -292,6 +378,7 @@ class AdaFisherRule(LayerRule):
         self._normalised = DerivedCache()  # (s′, h′) between factor updates
         self._normalise_many = StackedNormalise()
         self._views = DiagonalViews()  # the parameters' views, between steps
+        self._kept = KeptBatch()  # the last batch's lists, between steps
 
     def init_state(self, layer: Layer, group: dict, state: dict) -> None:
         dtype = group["factor_dtype"] or layer.weight.dtype
@@ -363,14 +450,26 @@ class AdaFisherRule(LayerRule):
         if group["graft"] is not None:
             self._apply_grafted(layers, group, states, inv_scale, step, seed, found_inf)
             return
-        by_count: dict[int, tuple[int, DiagonalBatch]] = {}
         stale: list[tuple[Tensor, Tensor]] = []  # (s or h, its s′ or h′ buffer) to refresh
-        for position, (layer, layer_states) in enumerate(zip(layers, states, strict=True)):
-            s, h = self._counted_scales(layer, layer_states[0], stale)
-            count = layer_states[0]["step"]
-            if count not in by_count:
-                by_count[count] = (position, DiagonalBatch(self._views))
-            by_count[count][1].add(layer, layer_states, s, h, "exp_avg")
+        scales = [
+            self._counted_scales(layer, ss[0], stale)
+            for layer, ss in zip(layers, states, strict=True)
+        ]
+        counts = [layer_states[0]["step"] for layer_states in states]
+        by_count: dict[int, tuple[int, DiagonalBatch]] = {}
+        if counts.count(counts[0]) == len(counts):  # the common case: one batch, kept
+            rows, cols = [s for s, _ in scales], [h for _, h in scales]
+            by_count[counts[0]] = (
+                0,
+                self._kept.batch(layers, states, rows, cols, "exp_avg", self._views),
+            )
+        else:
+            for position, (layer, layer_states, (s, h), count) in enumerate(
+                zip(layers, states, scales, counts, strict=True)
+            ):
+                if count not in by_count:
+                    by_count[count] = (position, DiagonalBatch(self._views))
+                by_count[count][1].add(layer, layer_states, s, h, "exp_avg")
         self._normalise_many(stale)
         for count, (position, batch) in by_count.items():
             # the first layer's position: distinct random bits

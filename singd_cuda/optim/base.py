@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import warnings
 from abc import abstractmethod
 from collections import Counter, OrderedDict
@@ -59,7 +60,7 @@ from .finite import (
     FiniteCheck,
     LateVerdict,
     skip_message,
-    tensors_of,
+    statistics_tensors,
 )
 from .loss_scale import stepping_scaler
 from .norm_fisher import norm_step
@@ -68,6 +69,7 @@ from .rule import LayerRule, scheduled
 from .scale_out import DEFAULT_BUCKET_CAP_MB, ScaleOut, Shards
 from .statistics import StatisticsNormaliser
 
+_LAYOUT = operator.attrgetter("layout")
 STEP_NOT_COMPILED = (
     "singd_cuda optimizers step eagerly: compile the model, not optimizer.step (docs/compile.md)"
 )
@@ -511,15 +513,16 @@ class KroneckerOptimizer(Optimizer):
         construction, which refuses the ones it sees), so that the statistics stay."""
         found = []
         for group in self.param_groups:
-            with_grad = [p for p in group["params"] if p.grad is not None]
-            for p in with_grad:
-                if p.grad.layout != torch.strided:
-                    raise RuntimeError(
-                        f"{type(self).__name__} does not support sparse gradients (a "
-                        f"parameter of shape {tuple(p.shape)} has one: an nn.Embedding or "
-                        "nn.EmbeddingBag with sparse=True): use sparse=False, or train those "
-                        "parameters with torch.optim.SparseAdam and leave them out of params="
-                    )
+            with_grad = [g for g in [p.grad for p in group["params"]] if g is not None]
+            if not set(map(_LAYOUT, with_grad)) <= {torch.strided}:  # (C-level, no loop)
+                params = group["params"]
+                p = next(p for p in params if p.grad is not None and p.grad.layout != torch.strided)
+                raise RuntimeError(
+                    f"{type(self).__name__} does not support sparse gradients (a "
+                    f"parameter of shape {tuple(p.shape)} has one: an nn.Embedding or "
+                    "nn.EmbeddingBag with sparse=True): use sparse=False, or train those "
+                    "parameters with torch.optim.SparseAdam and leave them out of params="
+                )
             found.append(bool(with_grad))
         return found
 
@@ -595,7 +598,7 @@ class KroneckerOptimizer(Optimizer):
             grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
             local = grads if self._sync is None else self._sync.local_tensors(grads)
             self._finite.check(local, GRADIENT)
-        self._finite.check(tensors_of(self._pending), STATISTICS)
+        self._finite.check(statistics_tensors(self._pending), STATISTICS)
 
     def _decided_on_device(self) -> Tensor | None:
         """With ``nonfinite='device'``: the step's skip flag as a one-element tensor on the

@@ -11,7 +11,8 @@ the step reads nothing: the flags' maximum is the found_inf every write consumes
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import operator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -19,6 +20,9 @@ from torch import Tensor
 
 from ..structures.base import StructuredMatrix
 from . import warm_start
+
+# what tensors that one fused check takes share
+_GROUP = operator.attrgetter("device", "dtype", "is_sparse")
 
 
 class FiniteCheck:
@@ -51,10 +55,18 @@ class FiniteCheck:
         return self._buffers[device][0][reason : reason + 1]
 
     def check(self, tensors: Iterable[Tensor], reason: int) -> None:
-        groups: dict[tuple, list[Tensor]] = {}
-        for t in tensors:
-            if t.numel():
-                groups.setdefault((t.device, t.dtype, t.is_sparse), []).append(t)
+        tensors = list(tensors)
+        if not all(map(Tensor.numel, tensors)):
+            tensors = [t for t in tensors if t.numel()]
+        if not tensors:
+            return
+        keys = list(map(_GROUP, tensors))
+        if keys.count(keys[0]) == len(keys):  # the common case: one group, no loop
+            groups = {keys[0]: tensors}
+        else:
+            groups = {}
+            for key, t in zip(keys, tensors, strict=True):
+                groups.setdefault(key, []).append(t)
         for (device, _, sparse), group in groups.items():
             found = self.flag(device, reason)
             if sparse:
@@ -137,6 +149,15 @@ def tensors_of(value: Any) -> list[Tensor]:
     return found
 
 
+def statistics_tensors(pending: dict[Any, dict]) -> list[Tensor]:
+    """:func:`tensors_of` a step's {layer: statistics}, faster in the common case of
+    plain tensors (a list per layer, no recursion)."""
+    found = [t for statistics in pending.values() for t in statistics.values()]
+    if all(type(t) is Tensor for t in found):
+        return [t for t in found if t.is_floating_point()]
+    return tensors_of(pending)
+
+
 def _collect(value: Any, found: list[Tensor]) -> None:
     # dicts and tensors first: StructuredMatrix is an ABC, whose isinstance check is slow
     if isinstance(value, dict):
@@ -158,6 +179,10 @@ class FactorUndo:
     temporaries of that size anyway). ``skip`` names state entries no factor update
     writes (the parameter momenta); ``flags`` the host flags an update may set for good
     (SINGD's warm start), which no predicated select on the device can undo.
+
+    Where the saved entries lie (a :class:`_Layout`) is found once and kept while the
+    states hold the same objects, so that a steady-state save is a few identity checks,
+    one multi-tensor copy and the matrices' clones.
     """
 
     def __init__(
@@ -168,37 +193,21 @@ class FactorUndo:
         self._skip = skip
         self._flags = flags
         self._vectors: dict[int, Tensor] = {}
-        self._saved: list[tuple[dict, dict]] = []
+        self._layout: _Layout | None = None
+        # what save() saved, until restore or clear: (matrix clones, host values)
+        self._saved: tuple[list[Tensor], list[Any]] | None = None
 
-    def save(self, states: Iterable[dict]) -> None:
-        """Save ``states`` (before any of them is updated): the vectors in one
-        multi-tensor copy."""
-        targets: list[Tensor] = []
-        sources: list[Tensor] = []
-        for state in states:
-            self._saved.append((state, self._copy(state, targets, sources)))
-        if targets:
-            torch._foreach_copy_(targets, sources)
-
-    def _copy(self, state: dict, targets: list[Tensor], sources: list[Tensor]) -> dict:
-        """The saved entries of ``state``: matrices cloned now, vectors' buffers queued
-        in ``targets`` to be copied from ``sources``."""
-        copy = {}
-        for key, value in state.items():
-            if key in self._skip:
-                continue
-            if isinstance(value, dict):
-                copy[key] = self._copy(value, targets, sources)
-            elif isinstance(value, Tensor):
-                if value.dim() > 1:
-                    copy[key] = value.clone()
-                else:
-                    copy[key] = self._buffer(value)
-                    targets.append(copy[key])
-                    sources.append(value)
-            else:
-                copy[key] = value
-        return copy
+    def save(self, states: list[dict]) -> None:
+        """Save ``states`` (before any of them is updated; once a step): the vectors in
+        one multi-tensor copy."""
+        layout = self._layout
+        if layout is None or not layout.holds(states):
+            layout = self._layout = _Layout(states, self._skip, self._flags)
+            layout.buffers = [self._buffer(vector) for vector in layout.vectors]
+        if layout.vectors:
+            torch._foreach_copy_(layout.buffers, layout.vectors)
+        clones = [matrix.clone() for matrix in layout.matrices]
+        self._saved = clones, [container[key] for container, key in layout.values]
 
     def _buffer(self, value: Tensor) -> Tensor:
         buffer = self._vectors.get(id(value))
@@ -208,56 +217,123 @@ class FactorUndo:
 
     def updated(self) -> list[Tensor]:
         """The floating-point tensors of the saved states (as they are now)."""
-        found: list[Tensor] = []
-        for state, copy in self._saved:
-            for key in copy:
-                _collect(state[key], found)
-        return found
+        if self._saved is None:
+            return []
+        layout = self._layout
+        current = [_at(layout.states[i], path) for i, path in layout.vector_paths]
+        current += [_at(layout.states[i], path) for i, path in layout.matrix_paths]
+        return [t for t in current if t.is_floating_point()]
 
     def sets_flags(self) -> bool:
         """Whether an update since :meth:`save` changed one of the ``flags`` (then only
         :meth:`restore`, decided on the host, can undo the step)."""
-        missing = object()
+        if self._saved is None:
+            return False
+        values = self._saved[1]
         return any(
-            state.get(key, missing) != copy.get(key, missing)
-            for state, copy in self._saved
-            for key in self._flags
+            state.get(key, _MISSING) != (_MISSING if index is None else values[index])
+            for state, key, index in self._layout.flags
         )
 
     def restore(self) -> None:
-        for state, copy in self._saved:
-            _restore(state, copy)
-        self.clear()
+        self._restore(lambda saved, current: current.copy_(saved), host_values=True)
 
     def restore_where(self, found: Tensor) -> None:
         """Restore every saved tensor where ``found`` (a one-element tensor on their
         device) is > 0, decided elementwise on the device (no read): a predicated select
         per tensor. Saved host values (counters, flags) keep what the update made of them."""
         raised = found.reshape(()) > 0
-        for state, copy in self._saved:
-            _restore_where(state, copy, raised)
+        self._restore(
+            lambda saved, current: torch.where(raised, saved, current, out=current),
+            host_values=False,
+        )
+
+    def _restore(self, write: Callable[[Tensor, Tensor], Any], host_values: bool) -> None:
+        """``write(saved, current)`` for every saved tensor; with ``host_values`` the saved
+        host values are set back too."""
+        if self._saved is None:
+            return
+        layout, (clones, values) = self._layout, self._saved
+        for (i, path), saved in zip(layout.vector_paths, layout.buffers, strict=True):
+            write(saved, _at(layout.states[i], path))
+        for (i, path), saved in zip(layout.matrix_paths, clones, strict=True):
+            write(saved, _at(layout.states[i], path))
+        if host_values:
+            for (i, path), value in zip(layout.value_paths, values, strict=True):
+                _at(layout.states[i], path[:-1])[path[-1]] = value
         self.clear()
 
     def clear(self) -> None:
-        self._saved.clear()
+        self._saved = None
 
 
-def _restore(state: dict, copy: dict) -> None:
-    for key, value in copy.items():
-        if isinstance(value, dict):
-            _restore(state[key], value)
-        elif isinstance(value, Tensor):
-            state[key].copy_(value)
-        else:
-            state[key] = value
+_MISSING = object()
 
 
-def _restore_where(state: dict, copy: dict, raised: Tensor) -> None:
-    for key, value in copy.items():
-        if isinstance(value, dict):
-            _restore_where(state[key], value, raised)
-        elif isinstance(value, Tensor):
-            torch.where(raised, value, state[key], out=state[key])
+def _at(state: dict, path: tuple) -> Any:
+    """The entry of ``state`` at ``path`` (keys into nested dicts)."""
+    for key in path:
+        state = state[key]
+    return state
+
+
+class _Layout:
+    """Where the saved entries of some states lie: every nested dict and tensor as the
+    (container, key) that holds it and the object it held (checked by :meth:`holds`),
+    the vectors and matrices to save (with their key paths from their state, which
+    :class:`FactorUndo` follows after the update), the host values and the flags."""
+
+    def __init__(self, states: list[dict], skip: tuple[str, ...], flags: tuple[str, ...]):
+        self.states = list(states)
+        self.containers: list[dict] = []
+        self.slots: list[tuple[dict, Any]] = []  # (container, key) of dicts and tensors
+        self.objects: list[Any] = []  # what the slots held
+        self.vectors: list[Tensor] = []  # saved into buffers (FactorUndo._buffer)
+        self.buffers: list[Tensor] = []
+        self.matrices: list[Tensor] = []  # cloned
+        self.vector_paths: list[tuple[int, tuple]] = []  # (state index, key path)
+        self.matrix_paths: list[tuple[int, tuple]] = []
+        self.values: list[tuple[dict, Any]] = []  # (container, key) of host values
+        self.value_paths: list[tuple[int, tuple]] = []
+        self.flags: list[tuple[dict, str, int | None]] = []  # (state, key, index in values)
+        for index, state in enumerate(self.states):
+            start = len(self.value_paths)
+            self._walk(index, state, (), skip)
+            for key in flags:
+                paths = self.value_paths[start:]
+                found = (index, (key,)) in paths
+                position = start + paths.index((index, (key,))) if found else None
+                self.flags.append((state, key, position))
+        self.lengths = [len(container) for container in self.containers]
+
+    def _walk(self, index: int, container: dict, path: tuple, skip: tuple[str, ...]) -> None:
+        self.containers.append(container)
+        for key, value in container.items():
+            if key in skip:
+                continue
+            if isinstance(value, dict | Tensor):
+                self.slots.append((container, key))
+                self.objects.append(value)
+            if isinstance(value, dict):
+                self._walk(index, value, (*path, key), skip)
+            elif isinstance(value, Tensor):
+                matrix = value.dim() > 1
+                (self.matrices if matrix else self.vectors).append(value)
+                paths = self.matrix_paths if matrix else self.vector_paths
+                paths.append((index, (*path, key)))
+            else:
+                self.values.append((container, key))
+                self.value_paths.append((index, (*path, key)))
+
+    def holds(self, states: list[dict]) -> bool:
+        """Whether ``states`` are this layout's, every dict with the same number of
+        entries and every slot with the same object."""
+        return (
+            len(states) == len(self.states)
+            and all(map(operator.is_, states, self.states))
+            and list(map(len, self.containers)) == self.lengths
+            and all(map(operator.is_, [c.get(k) for c, k in self.slots], self.objects))
+        )
 
 
 # The reasons of a skipped step, by priority (the flags of a step's FiniteCheck).

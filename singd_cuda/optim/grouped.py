@@ -11,6 +11,7 @@ layout does not change); stacking copies are made on the fly.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Hashable, Sequence
 
 import torch
@@ -29,6 +30,64 @@ def partition(items: Sequence, key: Callable[[object], Hashable]) -> list[list]:
     for item in items:
         parts.setdefault(key(item), []).append(item)
     return list(parts.values())
+
+
+_SHAPE_DTYPE = operator.attrgetter("shape", "dtype")
+
+
+class StackedSums:
+    """outs[i] <- the sum of vectors[i] in outs[i]'s dtype, bitwise ``torch.sum(vectors[i],
+    0, keepdim=True, dtype=outs[i].dtype, out=outs[i])`` (outs (1,)), for many vectors.
+
+    On the CPU, where a row of a stack reduces as a vector does (checked for lengths
+    1..4097 and every float dtype), the vectors of equal length and dtypes are copied
+    into the rows of a stack and summed by one row sum per set. The stacks of each list
+    of outputs (by its first output) are kept for the next call with the same outputs and
+    vector shapes, so a warm call allocates nothing. Elsewhere one sum per vector.
+    """
+
+    def __init__(self) -> None:
+        # id of the first output -> (outputs, vector shapes, sets); per set: (indices,
+        # stack (n, d), its rows, sums (n, 1), their rows, outputs)
+        self._kept: dict[int, tuple[list[Tensor], list[tuple], list[tuple]]] = {}
+
+    def __call__(self, vectors: Sequence[Tensor], outs: Sequence[Tensor]) -> None:
+        if not vectors:
+            return
+        if vectors[0].device.type != "cpu":
+            for vector, out in zip(vectors, outs, strict=True):
+                torch.sum(vector, 0, keepdim=True, dtype=out.dtype, out=out)
+            return
+        shapes = list(map(_SHAPE_DTYPE, vectors))
+        kept = self._kept.get(id(outs[0]))
+        if (
+            kept is None
+            or shapes != kept[1]
+            or len(outs) != len(kept[0])
+            or not all(map(operator.is_, outs, kept[0]))
+        ):
+            if len(self._kept) >= 64:  # many lists of outputs: start over
+                self._kept.clear()
+            kept = self._kept[id(outs[0])] = (list(outs), shapes, _stacks(vectors, outs))
+        for indices, stack, rows, sums, sum_rows, set_outs in kept[2]:
+            members = vectors if len(indices) == len(vectors) else [vectors[i] for i in indices]
+            torch._foreach_copy_(rows, members)
+            torch.sum(stack, 1, keepdim=True, dtype=sums.dtype, out=sums)
+            torch._foreach_copy_(set_outs, sum_rows)
+
+
+def _stacks(vectors: Sequence[Tensor], outs: Sequence[Tensor]) -> list[tuple]:
+    """The sets of :class:`StackedSums` (vectors of equal length and dtypes) with new
+    stacks."""
+    key = lambda i: (vectors[i].numel(), vectors[i].dtype, outs[i].dtype)  # noqa: E731
+    sets = []
+    for indices in partition(range(len(vectors)), key):
+        first = vectors[indices[0]]
+        stack = first.new_empty((len(indices), first.numel()))
+        sums = outs[indices[0]].new_empty((len(indices), 1))
+        set_outs = [outs[i] for i in indices]
+        sets.append((indices, stack, list(stack.unbind()), sums, list(sums.unbind()), set_outs))
+    return sets
 
 
 def stacked_gradients(

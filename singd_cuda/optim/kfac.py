@@ -42,15 +42,37 @@ FISHER_TYPES = ("empirical", "ggn")
 GGN_LOSSES = ("mse", "cross_entropy")
 
 
-def damped_inverse(factor: Tensor, damping: float, method: str) -> Tensor:
-    """(F + damping·I)⁻¹ for a symmetric F, computed in float32 (float64 for float64)."""
-    F = factor.to(accumulation_dtype(factor.dtype))
-    eye = torch.eye(F.shape[0], dtype=F.dtype, device=F.device)
+# A batched LAPACK call equals one call per matrix bit for bit (measured on x86 CPUs with
+# MKL) when every matrix of the batch starts where a fresh allocation would: at a
+# multiple of 64 bytes. Other stacks (e.g. 17 x 17 float32), and CUDA, go one by one.
+_BATCH_ALIGNMENT = 64
+
+
+def invert_into(factors: list[Tensor], targets: list[Tensor], damping: float, method: str):
+    """targets[i] <- (F_i + damping·I)⁻¹ for symmetric factors F_i of one shape (d, d),
+    dtype and device, computed in float32 (float64 for float64) by ``method`` ("inverse":
+    torch.linalg.inv, "eigen": Q diag(1/(w + damping)) Qᵀ from eigh), written into
+    ``targets`` (any float dtype) by one multi-tensor copy. One stack and one damping add
+    for all; one batched inversion where that is bitwise the same as one per matrix
+    (:data:`_BATCH_ALIGNMENT`), else one per matrix."""
+    F = torch.stack(factors).to(accumulation_dtype(factors[0].dtype))
+    d = F.shape[-1]
+    batched = (
+        len(factors) > 1
+        and F.device.type == "cpu"
+        and d * d * F.element_size() % _BATCH_ALIGNMENT == 0
+    )
     if method == "inverse":
-        return torch.linalg.inv(F + damping * eye)
-    # a non-finite F (its step is skipped and F restored) must not make eigh raise
-    eigenvalues, Q = torch.linalg.eigh(F.nan_to_num(0.0, 0.0, 0.0))
-    return (Q / (eigenvalues + damping)) @ Q.T
+        F.add_(damping * torch.eye(d, dtype=F.dtype, device=F.device))
+        inverses = torch.linalg.inv(F).unbind(0) if batched else map(torch.linalg.inv, F)
+    else:  # a non-finite F (its step is skipped and F restored) must not make eigh raise
+        F.nan_to_num_(0.0, 0.0, 0.0)
+        if batched:
+            eigenvalues, Q = torch.linalg.eigh(F)
+            inverses = ((Q / (eigenvalues + damping).unsqueeze(-2)) @ Q.mT).unbind(0)
+        else:
+            inverses = [(Q / (w + damping)) @ Q.T for w, Q in map(torch.linalg.eigh, F)]
+    torch._foreach_copy_(targets, list(inverses))
 
 
 # values of the stacked inverses a group of small layers keeps between inversions
@@ -106,7 +128,8 @@ class KfacRule(LayerRule):
     def update_factors_many(self, layers, group, states, pendings, step: int) -> None:
         """A ← decay·A + (1 − decay)·A_new and G likewise for every layer, one multi-tensor
         multiply and add per decay (the first update of a layer takes its statistics as
-        they are), then the inversions that are due, layer by layer."""
+        they are), then the inversions that are due, one :func:`invert_into` per factor
+        shape."""
         by_decay: dict[float, tuple[list[Tensor], list[Tensor]]] = {}
         casts: list[tuple[Tensor, Tensor]] = []  # (low-precision factor, its EMA)
         for state, pending in zip(states, pendings, strict=True):
@@ -124,15 +147,24 @@ class KfacRule(LayerRule):
             torch._foreach_add_(emas, news, alpha=1.0 - decay)
         for factor, ema in casts:
             factor.copy_(ema)
+        due: dict[tuple, tuple[list[Tensor], list[Tensor]]] = {}  # by shape, dtype, device
         for layer, state in zip(layers, states, strict=True):
             state["factor_updates"] += 1
             first = state["factor_updates"] == 1
             if first or step - state["inverted_at"] >= (group["T_inv"] or 1):
                 state["inverted_at"] = step
                 self._stacked.forget(layer)
-                root = math.sqrt(scheduled(group["damping"], step))
                 for key in ("A", "G"):
-                    state[f"{key}_inv"].copy_(damped_inverse(state[key], root, group["inverse"]))
+                    factor = state[key]
+                    factors, targets = due.setdefault(
+                        (factor.shape[0], factor.dtype, factor.device), ([], [])
+                    )
+                    factors.append(factor)
+                    targets.append(state[f"{key}_inv"])
+        if due:
+            root = math.sqrt(scheduled(group["damping"], step))
+            for factors, targets in due.values():
+                invert_into(factors, targets, root, group["inverse"])
 
     def apply(self, layer, group, states, G: Tensor, step: int, seed: int, found_inf=None):
         """G_inv ∇W A_inv, grafted, then momentum SGD with weight decay."""

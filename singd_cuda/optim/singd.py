@@ -22,12 +22,12 @@ from ..structures.congruence import congruence, shared_statistic
 from ..structures.diagonal import Diagonal
 from . import hyperparameters as hp
 from . import warm_start
-from .adafisher import ADAFISHER, AdaFisherRule, DiagonalBatch, DiagonalViews
+from .adafisher import ADAFISHER, AdaFisherRule, DiagonalViews, KeptBatch
 from .base import KroneckerOptimizer, checked_fallback
 from .derived import DerivedCache, GroupCache
 from .factor_memory import warn_large_factors
 from .graft import graft_
-from .grouped import StackedProduct, partition, stacked_gradients
+from .grouped import StackedProduct, StackedSums, partition, stacked_gradients
 from .rule import LayerRule, scheduled
 from .scale_out import DEFAULT_BUCKET_CAP_MB
 from .write import sgd_update_
@@ -72,6 +72,8 @@ class SingdRule(LayerRule):
         self._outer = DerivedCache()  # (C Cᵀ or None, K Kᵀ or None) between factor updates
         self._stacked = GroupCache()  # the same of groups of layers, stacked
         self._views = DiagonalViews()  # diagonal path: the parameters' views, between steps
+        self._kept = KeptBatch()  # diagonal path: the last batch's lists, between steps
+        self._traces, self._means = StackedSums(), StackedSums()  # diagonal path: their sums
 
     def _classes(self, group: dict) -> tuple[type[StructuredMatrix], type[StructuredMatrix]]:
         return _structure_classes(*group["structures"])
@@ -187,11 +189,10 @@ class SingdRule(LayerRule):
             self._squares.get(layer, (s[0]["C"]["diag"], s[0]["K"]["diag"]), derive)
             for layer, s in zip(layers, states, strict=True)
         ]
-        _fill_squares(stale)
-        batch = DiagonalBatch(self._views)
+        _fill_squares(stale, self._traces)
         buf_key = "momentum_buffer" if momentum != 0.0 else None
-        for layer, layer_states, layer_squares in zip(layers, states, squares, strict=True):
-            batch.add(layer, layer_states, layer_squares.c2, layer_squares.k2, buf_key)
+        rows, cols = [sq.c2 for sq in squares], [sq.k2 for sq in squares]
+        batch = self._kept.batch(layers, states, rows, cols, buf_key, self._views)
         ops.diag_precond_step_(
             *batch.lists(),
             mode="singd",
@@ -210,6 +211,7 @@ class SingdRule(LayerRule):
         :func:`diag_factor_update_`, its scalars in the layers' cached buffers (no
         allocation)."""
         factors, momenta, h, a, b, means, inv_dims = [], [], [], [], [], [], []
+        sums, sum_outs = [], []  # H's vectors and where their sums go
         for layer, state, pending in zip(layers, states, pendings, strict=True):
             k, c = state["K"]["diag"], state["C"]["diag"]
             acc = torch.float64 if k.dtype == torch.float64 else torch.float32
@@ -221,13 +223,14 @@ class SingdRule(LayerRule):
             h += [h_K, h_C]
             if not group["kfac_like"]:
                 squares = self._squares.get(layer, (c, k), _squares)
-                torch.sum(h_C, 0, keepdim=True, out=squares.mean_parts[0])
-                torch.sum(h_K, 0, keepdim=True, out=squares.mean_parts[1])
+                sums += [h_C, h_K]
+                sum_outs += squares.mean_parts
                 means.append(squares.means)  # tr̄(H) of the other side, once scaled
                 inv_dims.append(squares.inv_dims)
                 a += squares.mean_parts
                 b += squares.trace_parts  # tr̄(Π̂(otherᵀ other))
         if means:
+            self._means(sums, sum_outs)
             torch._foreach_mul_(means, inv_dims)
         ops.diag_factor_update_(
             factors,
@@ -557,10 +560,12 @@ def _square_buffers(c: Tensor, k: Tensor) -> DiagonalSquares:
     )
 
 
-def _fill_squares(entries: list[tuple[Tensor, Tensor, DiagonalSquares]]) -> None:
+def _fill_squares(
+    entries: list[tuple[Tensor, Tensor, DiagonalSquares]], sums: StackedSums | None = None
+) -> None:
     """Fill each (c, k, out) entry's :class:`DiagonalSquares` from its factors: the squares
-    and the scalings by the dimensions as one multi-tensor call each, the traces one sum
-    per vector."""
+    and the scalings by the dimensions as one multi-tensor call each, the traces by
+    ``sums`` (one sum per vector when None)."""
     if not entries:
         return
     squares = [square for _, _, out in entries for square in (out.c2, out.k2)]
@@ -571,11 +576,13 @@ def _fill_squares(entries: list[tuple[Tensor, Tensor, DiagonalSquares]]) -> None
         torch._foreach_copy_(
             rounded, [sq for _, _, out in entries if out.rounded is not None for sq in out[:2]]
         )
-    for _, _, out in entries:
-        acc = out.traces.dtype
-        stored = (out.c2, out.k2) if out.rounded is None else out.rounded
-        for vector, trace in zip(stored, out.trace_parts, strict=True):
-            torch.sum(vector, 0, keepdim=True, dtype=acc, out=trace)
+    stored = [v for _, _, out in entries for v in (out.rounded or (out.c2, out.k2))]
+    traces = [trace for _, _, out in entries for trace in out.trace_parts]
+    if sums is not None:
+        sums(stored, traces)
+    else:
+        for vector, trace in zip(stored, traces, strict=True):
+            torch.sum(vector, 0, keepdim=True, dtype=trace.dtype, out=trace)
     torch._foreach_mul_(
         [out.traces for _, _, out in entries], [out.inv_dims for _, _, out in entries]
     )

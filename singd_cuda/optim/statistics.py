@@ -9,13 +9,16 @@ the loss scale, with one multi-tensor multiply per (factor, device, dtype).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from ..curvature.layers import Layer
-from ..structures.base import accumulation_dtype
+from ..structures.base import HALF_DTYPES, accumulation_dtype
+
+_DEVICE_DTYPE = operator.attrgetter("device", "dtype")
 
 
 class StatisticsNormaliser:
@@ -52,8 +55,14 @@ class StatisticsNormaliser:
     def _scale_(self, statistics: list, factor: float, loss_scale: Tensor | None) -> None:
         """statistic *= factor / loss_scale² for each of ``statistics`` (tensors or
         structured matrices): one multi-tensor multiply per (device, dtype) for those
-        held in their accumulation dtype, by a 0-dim tensor kept between steps (a Python
-        scalar would allocate one per call; the loss scale stays on the device, unread)."""
+        held in their accumulation dtype (one call, no grouping, when all are plain tensors
+        of one device and dtype), by a 0-dim tensor kept between steps (a Python scalar
+        would allocate one per call; the loss scale stays on the device, unread)."""
+        if all(type(statistic) is Tensor for statistic in statistics):  # the common case
+            keys = list(map(_DEVICE_DTYPE, statistics))
+            if keys.count(keys[0]) == len(keys) and keys[0][1] not in HALF_DTYPES:
+                torch._foreach_mul_(statistics, self._scalar(keys[0], factor, loss_scale))
+                return
         fused: dict[tuple, list[Tensor]] = {}
         for statistic in statistics:
             structured = getattr(statistic, "parts", None)  # a StructuredMatrix's parts

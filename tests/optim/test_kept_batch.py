@@ -1,0 +1,53 @@
+"""The diagonal paths keep their batch's lists between steps (KeptBatch): every change
+of what a step queues must rebuild them, bit for bit as a batch built anew each step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from singd_cuda import SINGD, AdaFisher
+from singd_cuda.optim.adafisher import KeptBatch
+
+MAKERS = {
+    "adafisher": lambda m: AdaFisher(m, lr=1e-2),
+    "singd_diagonal": lambda m: SINGD(m, lr=1e-2, structures="diagonal", T=1),
+}
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+
+
+def train(make, fresh_batch_each_step: bool) -> list[torch.Tensor]:
+    net = model()
+    opt = make(net)
+    rule = opt.rule_for(opt.param_groups[0])
+    generator = torch.Generator().manual_seed(1)
+    for step in range(8):
+        if fresh_batch_each_step:
+            rule._kept = KeptBatch()
+        opt.zero_grad()
+        net(torch.randn(4, 5, generator=generator)).square().mean().backward()
+        if step == 2:  # gradients laid out unlike their parameters
+            grad = net[2].weight.grad
+            net[2].weight.grad = grad.t().contiguous().t()  # column-major
+            strided = torch.zeros(12)
+            strided[::2] = net[2].bias.grad
+            net[2].bias.grad = strided[::2]  # every other element
+        if step == 4:  # a bias without a gradient
+            net[0].bias.grad = None
+        if step == 6:  # a checkpoint load: new state tensors
+            opt.load_state_dict(opt.state_dict())
+        opt.step()
+    return [p.detach().clone() for p in net.parameters()]
+
+
+@pytest.mark.parametrize("name", sorted(MAKERS))
+def test_kept_batch_equals_a_batch_built_each_step(name):
+    kept = train(MAKERS[name], fresh_batch_each_step=False)
+    fresh = train(MAKERS[name], fresh_batch_each_step=True)
+    for a, b in zip(kept, fresh, strict=True):
+        assert torch.equal(a, b)
