@@ -42,37 +42,23 @@ FISHER_TYPES = ("empirical", "ggn")
 GGN_LOSSES = ("mse", "cross_entropy")
 
 
-# A batched LAPACK call equals one call per matrix bit for bit (measured on x86 CPUs with
-# MKL) when every matrix of the batch starts where a fresh allocation would: at a
-# multiple of 64 bytes. Other stacks (e.g. 17 x 17 float32), and CUDA, go one by one.
-_BATCH_ALIGNMENT = 64
-
-
 def invert_into(factors: list[Tensor], targets: list[Tensor], damping: float, method: str):
     """targets[i] <- (F_i + damping·I)⁻¹ for symmetric factors F_i of one shape (d, d),
     dtype and device, computed in float32 (float64 for float64) by ``method`` ("inverse":
     torch.linalg.inv, "eigen": Q diag(1/(w + damping)) Qᵀ from eigh), written into
     ``targets`` (any float dtype) by one multi-tensor copy. One stack and one damping add
-    for all; one batched inversion where that is bitwise the same as one per matrix
-    (:data:`_BATCH_ALIGNMENT`), else one per matrix."""
+    for all, then one LAPACK call per matrix: a batched call is not bitwise the same as
+    per-matrix calls for every size, and after some earlier workloads in a process (a
+    full test run) a batched CPU inversion was seen to hang in its thread pool."""
     F = torch.stack(factors).to(accumulation_dtype(factors[0].dtype))
     d = F.shape[-1]
-    batched = (
-        len(factors) > 1
-        and F.device.type == "cpu"
-        and d * d * F.element_size() % _BATCH_ALIGNMENT == 0
-    )
     if method == "inverse":
         F.add_(damping * torch.eye(d, dtype=F.dtype, device=F.device))
-        inverses = torch.linalg.inv(F).unbind(0) if batched else map(torch.linalg.inv, F)
+        inverses = list(map(torch.linalg.inv, F))
     else:  # a non-finite F (its step is skipped and F restored) must not make eigh raise
         F.nan_to_num_(0.0, 0.0, 0.0)
-        if batched:
-            eigenvalues, Q = torch.linalg.eigh(F)
-            inverses = ((Q / (eigenvalues + damping).unsqueeze(-2)) @ Q.mT).unbind(0)
-        else:
-            inverses = [(Q / (w + damping)) @ Q.T for w, Q in map(torch.linalg.eigh, F)]
-    torch._foreach_copy_(targets, list(inverses))
+        inverses = [(Q / (w + damping)) @ Q.T for w, Q in map(torch.linalg.eigh, F)]
+    torch._foreach_copy_(targets, inverses)
 
 
 # values of the stacked inverses a group of small layers keeps between inversions

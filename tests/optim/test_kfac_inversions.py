@@ -24,8 +24,6 @@ def factors(count: int, d: int, dtype: torch.dtype) -> list[torch.Tensor]:
     return list((X.mT @ X / (3 * d)).to(dtype).unbind(0))
 
 
-# 16 and 8 (float32), 4 and 8 (float64): 64-byte matrices, inverted in one batched call;
-# 17, 9 and 5: one call per matrix
 @pytest.mark.parametrize("d", [1, 4, 5, 8, 9, 16, 17, 32, 33])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("method", ["inverse", "eigen"])
