@@ -56,11 +56,7 @@ def sgd_update_(
         found_inf: None, or a one-element float32 tensor on the parameters' device: when
             > 0 the call changes nothing (read by the op on the device).
     """
-    trained = [
-        (p, upcast(d, p.dtype), s)
-        for p, d, s in zip(params, directions, states, strict=True)
-        if p.grad is not None
-    ]
+    trained = _trained(params, directions, states)
     if not trained:
         return
     momentum = group["momentum"]
@@ -101,11 +97,7 @@ def adam_update_(
     moment ``state["exp_avg"]`` (the parameter's dtype) is created as zeros when missing;
     ``count``: the 1-based count of the bias correction.
     """
-    trained = [
-        (p, upcast(d, p.dtype), s)
-        for p, d, s in zip(params, directions, states, strict=True)
-        if p.grad is not None
-    ]
+    trained = _trained(params, directions, states)
     if not trained:
         return
     for p, _, s in trained:
@@ -124,3 +116,13 @@ def adam_update_(
         seed=seed,
         found_inf=found_inf,
     )
+
+
+def _trained(params: list[Tensor], directions: list, states: list[dict]) -> list[tuple]:
+    """(parameter, its direction in the parameter's accumulation dtype, its state) of
+    each parameter that has a gradient."""
+    return [
+        (p, upcast(d, p.dtype), s)
+        for p, d, s in zip(params, directions, states, strict=True)
+        if p.grad is not None
+    ]
