@@ -595,9 +595,8 @@ def run_tune(argv: list[str], name: str = "tune") -> tuple[Path, dict]:
     steps = steps_for(args, tasks, quick=False)
     if args.resume and args.out is None:
         parser.error("--resume needs --out, the folder of the sweep to continue")
-    grids = {}
+    grids, given = {}, dict(args.grid)
     for choice in choices:  # a variant's own --grid, else its optimizer's
-        given = dict(args.grid)
         points = given.get(choice.variant, given.get(choice.name))
         if points is not None:
             grids[choice.label] = points
