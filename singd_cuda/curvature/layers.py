@@ -17,7 +17,7 @@ of its input and output gradient pair with it; the module needs ``weight`` and `
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -275,31 +275,26 @@ class Layer:
     weight: nn.Parameter
     bias: nn.Parameter | None  # None when absent or not trained by the optimizer
     modules: tuple[nn.Module, ...] = ()
+    # derived from the fields once, in __post_init__ (read per layer on every step: plain
+    # attributes, not properties, cost no Python call)
+    kind: LayerKind | None = field(init=False, repr=False)
+    """How the module's weight, inputs and output gradients map to W, a and g (None for
+    the norm layers, which have no Kronecker factors)."""
+    dim_out: int = field(init=False, repr=False)
+    """d_C: output features / channels (rows of the weight matrix)."""
+    dim_in: int = field(init=False, repr=False)
+    """d_K: weight-matrix columns, plus one for a trained bias."""
+    params: list[nn.Parameter] = field(init=False, repr=False)
+    """``[weight]`` or ``[weight, bias]``: the parameters the layer's factors precondition."""
 
     def __post_init__(self) -> None:
         if not self.modules:
             self.modules = (self.module,)
-
-    @property
-    def kind(self) -> LayerKind:
-        """The :class:`LayerKind` of the module (how its weight, inputs and output
-        gradients map to W, a and g)."""
-        return layer_kind(self.module)
-
-    @property
-    def dim_in(self) -> int:
-        """d_K: weight-matrix columns, plus one for a trained bias."""
-        return self.weight.numel() // max(self.dim_out, 1) + (self.bias is not None)
-
-    @property
-    def dim_out(self) -> int:
-        """d_C: output features / channels (rows of the weight matrix)."""
-        return self.kind.out_features(self.weight)
-
-    @property
-    def params(self) -> list[nn.Parameter]:
-        """``[weight]`` or ``[weight, bias]``: the parameters the layer's factors precondition."""
-        return [self.weight] if self.bias is None else [self.weight, self.bias]
+        self.kind = layer_kind(self.module)
+        if self.kind is not None:
+            self.dim_out = self.kind.out_features(self.weight)
+            self.dim_in = self.weight.numel() // max(self.dim_out, 1) + (self.bias is not None)
+        self.params = [self.weight] if self.bias is None else [self.weight, self.bias]
 
     def __repr__(self) -> str:  # names and shapes, never tensor contents
         bias = ", bias" if self.bias is not None else ""

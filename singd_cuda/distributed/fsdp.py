@@ -141,9 +141,9 @@ class RowShard(Layer):
     rows: slice = field(default_factory=lambda: slice(None))
     full_dim_in: int = 0
 
-    @property
-    def dim_in(self) -> int:
-        return self.full_dim_in
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.dim_in = self.full_dim_in
 
     @property
     def empty(self) -> bool:

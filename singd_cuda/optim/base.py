@@ -531,7 +531,9 @@ class KroneckerOptimizer(Optimizer):
         self._report_late()
         grad_scale, stats_scale, found_inf = self._loss_scale()
         # gather: the statistics as one batch's, averaged over the ranks before any decision
-        self._pending = self._normalise(self._capture.committed, self._loss_average, stats_scale)
+        groups = self.param_groups
+        loss_averages = {layer: groups[i]["loss_average"] for layer, i in self._layer_group.items()}
+        self._pending = self._normalise(self._capture.committed, loss_averages, stats_scale)
         if self._sync is not None:
             grad_scale, found_inf = self._synchronise(grad_scale, found_inf)
         # states created by statistics that were discarded before the step (zero_grad)
@@ -540,7 +542,7 @@ class KroneckerOptimizer(Optimizer):
         # with nonfinite='device', consumed there by every write)
         self._check(found_inf)
         with_grad, waiting = self._layers_to_step()
-        owned = [layer for layer in with_grad if self._owns(layer)]
+        owned = with_grad if self._sync is None else list(filter(self._sync.owns, with_grad))
         # update factors, undone when a flag was raised
         self._update_factors(owned)
         skip = self._decided_on_device()
@@ -646,13 +648,23 @@ class KroneckerOptimizer(Optimizer):
         """(the layers with a gradient that are preconditioned, those with a gradient that
         wait for their first statistics: the fallback trains them until then)."""
         with_grad = [  # a frozen weight's trained bias counts
-            layer for layer in self._layers if any(p.grad is not None for p in layer.params)
+            layer
+            for layer in self._layers
+            if layer.weight.grad is not None
+            or (layer.bias is not None and layer.bias.grad is not None)
         ]
         # Before any model forward no layer can have had statistics, so none waits for
         # them: torch.distributed.checkpoint builds a fresh optimizer's state template by one
         # step with zero gradients (_init_optim_state), and the layers then take the factor
         # state a checkpoint holds.
-        waiting = [layer for layer in with_grad if self._seen_forward and not self._started(layer)]
+        if not self._seen_forward:
+            return with_grad, []
+        pending = self._pending  # (started: the common case, asked first)
+        waiting = [
+            layer for layer in with_grad if layer not in pending and not self._started(layer)
+        ]
+        if not waiting:
+            return with_grad, waiting
         return [layer for layer in with_grad if layer not in waiting], waiting
 
     def _shards(self) -> Shards | None:
@@ -662,9 +674,6 @@ class KroneckerOptimizer(Optimizer):
     def _owns(self, layer: Layer) -> bool:
         """Whether this rank updates the layer's factors (always in one process)."""
         return self._sync is None or self._sync.owns(layer)
-
-    def _loss_average(self, layer: Layer) -> str | None:
-        return self.group_of(layer)["loss_average"]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim``; the statistics captured since the last step go with the

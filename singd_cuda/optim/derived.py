@@ -9,6 +9,7 @@ after an update recomputes them into the same buffers: no step allocates.
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import repeat
 from operator import is_
 
 from torch import Tensor
@@ -66,13 +67,15 @@ class GroupCache:
     def get(
         self, layers: list[Layer], sources: tuple[Tensor, ...], derive: Callable[[], tuple]
     ) -> tuple:
-        key = tuple(id(layer) for layer in layers)
-        versions = tuple(self._versions.get(i, 0) for i in key)
+        # C calls alone (no generator): this runs per group of layers every step
+        key = tuple(map(id, layers))
+        versions = tuple(map(self._versions.get, key, repeat(0, len(key))))
         entry = self._entries.get(key)
         if (
             entry is not None
             and entry[1] == versions
-            and all(a is b for a, b in zip(entry[0], sources, strict=True))
+            and len(entry[0]) == len(sources)
+            and all(map(is_, entry[0], sources))
         ):
             return entry[2]
         members = set(key)

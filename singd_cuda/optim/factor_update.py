@@ -11,35 +11,45 @@ from torch.optim import Optimizer
 
 from ..curvature.layers import Layer
 from .finite import FACTORS
+from .rule import LayerRule
 
 
 def update_factors(opt: Optimizer, layers: list[Layer]) -> None:
     """Update the factors of those of ``layers`` that have statistics this step
     (``opt._pending``), saving what they overwrite in ``opt._undo``, and flag a
     non-finite result in ``opt._finite``. ``opt``: a KroneckerOptimizer."""
-    updated = [layer for layer in layers if layer in opt._pending]
-    states = [opt._layer_state(layer, opt.group_of(layer)) for layer in updated]
+    pending_of = opt._pending
+    updated = [layer for layer in layers if layer in pending_of]
+    groups, layer_group = opt.param_groups, opt._layer_group
+    states = [opt._layer_state(layer, groups[layer_group[layer]]) for layer in updated]
     opt._undo.save(states)
     distribute_factors = opt._sync is not None and opt._sync.distribute_factors
+    # per group: (rule, whether its start_factors is its own: LayerRule's starts nothing,
+    # so it is not called per layer)
+    rules: dict[int, tuple[LayerRule, bool]] = {}
     stacks: dict[tuple, list[tuple[Layer, dict, dict]]] = {}
     for layer, state in zip(updated, states, strict=True):
-        pending = opt._pending[layer]
-        group = opt.group_of(layer)
-        rule = opt.rule_for(group)
+        pending = pending_of[layer]
+        index = layer_group[layer]
+        group = groups[index]
+        if index not in rules:
+            rule = opt.rule_for(group)
+            rules[index] = rule, type(rule).start_factors is not LayerRule.start_factors
+        rule, starts = rules[index]
         if distribute_factors:
             rule.finish_shared(layer, group, state, pending)
-        started = rule.start_factors(layer, group, state, pending)
-        if started is None:  # out of the factor dtype: skipped as an overflow is
-            opt._finite.flag(layer.weight.device, FACTORS).fill_(1.0)
-        if not started:
-            continue  # the statistics cannot start this layer's factors (yet)
+        if starts:
+            started = rule.start_factors(layer, group, state, pending)
+            if started is None:  # out of the factor dtype: skipped as an overflow is
+                opt._finite.flag(layer.weight.device, FACTORS).fill_(1.0)
+            if not started:
+                continue  # the statistics cannot start this layer's factors (yet)
         key = rule.group_key(layer, group, state)
-        key = (opt._layer_group[layer], id(layer) if key is None else key)
-        stacks.setdefault(key, []).append((layer, state, pending))
-    for (index, _), members in stacks.items():
-        group = opt.param_groups[index]
-        stacked_layers, states, pendings = (list(column) for column in zip(*members, strict=True))
-        opt.rule_for(group).update_factors_many(
-            stacked_layers, group, states, pendings, group["step"]
+        stacks.setdefault((index, id(layer) if key is None else key), []).append(
+            (layer, state, pending)
         )
+    for (index, _), members in stacks.items():
+        stacked_layers, states, pendings = (list(column) for column in zip(*members, strict=True))
+        group = groups[index]
+        rules[index][0].update_factors_many(stacked_layers, group, states, pendings, group["step"])
     opt._finite.check(opt._undo.updated(), FACTORS)

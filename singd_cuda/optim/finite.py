@@ -11,8 +11,11 @@ the step reads nothing: the flags' maximum is the found_inf every write consumes
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections.abc import Callable, Iterable
+from functools import reduce
+from operator import getitem
 from typing import Any
 
 import torch
@@ -23,6 +26,7 @@ from . import warm_start
 
 # what tensors that one fused check takes share
 _GROUP = operator.attrgetter("device", "dtype", "is_sparse")
+_PLAIN = {Tensor}
 
 
 class FiniteCheck:
@@ -153,8 +157,12 @@ def statistics_tensors(pending: dict[Any, dict]) -> list[Tensor]:
     """:func:`tensors_of` a step's {layer: statistics}, faster in the common case of
     plain tensors (a list per layer, no recursion)."""
     found = [t for statistics in pending.values() for t in statistics.values()]
-    if all(type(t) is Tensor for t in found):
+    kinds = set(map(type, found))
+    if kinds <= _PLAIN:
         return [t for t in found if t.is_floating_point()]
+    if all(issubclass(kind, StructuredMatrix) for kind in kinds - _PLAIN):  # one call a type
+        parts = [t.parts.values() if type(t) is not Tensor else (t,) for t in found]
+        return [t for t in itertools.chain.from_iterable(parts) if t.is_floating_point()]
     return tensors_of(pending)
 
 
@@ -220,8 +228,9 @@ class FactorUndo:
         if self._saved is None:
             return []
         layout = self._layout
-        current = [_at(layout.states[i], path) for i, path in layout.vector_paths]
-        current += [_at(layout.states[i], path) for i, path in layout.matrix_paths]
+        # the entry of states[i] at a key path, by C calls alone (no Python call a tensor)
+        current = [reduce(getitem, path, layout.states[i]) for i, path in layout.vector_paths]
+        current += [reduce(getitem, path, layout.states[i]) for i, path in layout.matrix_paths]
         return [t for t in current if t.is_floating_point()]
 
     def sets_flags(self) -> bool:
@@ -255,12 +264,12 @@ class FactorUndo:
             return
         layout, (clones, values) = self._layout, self._saved
         for (i, path), saved in zip(layout.vector_paths, layout.buffers, strict=True):
-            write(saved, _at(layout.states[i], path))
+            write(saved, reduce(getitem, path, layout.states[i]))
         for (i, path), saved in zip(layout.matrix_paths, clones, strict=True):
-            write(saved, _at(layout.states[i], path))
+            write(saved, reduce(getitem, path, layout.states[i]))
         if host_values:
             for (i, path), value in zip(layout.value_paths, values, strict=True):
-                _at(layout.states[i], path[:-1])[path[-1]] = value
+                reduce(getitem, path[:-1], layout.states[i])[path[-1]] = value
         self.clear()
 
     def clear(self) -> None:
@@ -268,13 +277,6 @@ class FactorUndo:
 
 
 _MISSING = object()
-
-
-def _at(state: dict, path: tuple) -> Any:
-    """The entry of ``state`` at ``path`` (keys into nested dicts)."""
-    for key in path:
-        state = state[key]
-    return state
 
 
 class _Layout:

@@ -20,6 +20,8 @@ output before ``loss.backward()`` on update steps.
 from __future__ import annotations
 
 import math
+import operator
+from itertools import chain
 from typing import Any
 
 import torch
@@ -63,6 +65,7 @@ def invert_into(factors: list[Tensor], targets: list[Tensor], damping: float, me
 
 # values of the stacked inverses a group of small layers keeps between inversions
 SMALL_STACK = 2**16
+_INVERSES = operator.itemgetter("G_inv", "A_inv")
 
 
 def _stack_key(layer: Layer, state: dict) -> tuple:
@@ -194,7 +197,8 @@ class KfacRule(LayerRule):
         first = layers[0]
         dtype = accumulation_dtype(first.weight.dtype)
         if len(layers) > 1 and len(layers) * (first.dim_in**2 + first.dim_out**2) <= SMALL_STACK:
-            sources = tuple(s[0][key] for s in states for key in ("G_inv", "A_inv"))
+            first_states = [s[0] for s in states]  # (a tuple of C calls: no generator)
+            sources = tuple(chain.from_iterable(map(_INVERSES, first_states)))
             G_inv, A_inv = self._stacked.get(
                 layers,
                 sources,

@@ -15,6 +15,7 @@ from torch.optim import Optimizer
 from ..curvature.layers import Layer, gradient_matrix
 from ..structures.base import accumulation_dtype
 from .recipe import rescale_weight_
+from .rule import LayerRule
 from .write import gradient_factor
 
 
@@ -25,22 +26,29 @@ def precondition_layers(
     unscaled when None); rules that fuse update their group's layers in one pass.
     ``found_inf``: None, or the step's skip flag decided on the device (every write
     consumes it). ``opt``: a KroneckerOptimizer."""
-    fused: dict[int, list[Layer]] = {}
+    groups, layer_group, opt_state = opt.param_groups, opt._layer_group, opt.state
+    rules: dict[int, tuple[LayerRule, bool]] = {}  # per group: (rule, whether it fuses)
+    fused: dict[int, list[Layer]] = {}  # per group that fuses: its layers
+    fused_states: dict[int, list[list[dict]]] = {}  # and their parameters' states
     for layer in layers:
-        group = opt.group_of(layer)
-        rule = opt.rule_for(group)
-        state = opt.state[layer.weight]
-        if not state:
-            rule.init_state(layer, group, state)
-        if rule.fuses_apply(group):
-            fused.setdefault(opt._layer_group[layer], []).append(layer)
+        index = layer_group[layer]
+        group = groups[index]
+        if index not in rules:
+            rule = opt.rule_for(group)
+            rules[index] = rule, rule.fuses_apply(group)
+        rule, fuses = rules[index]
+        states = list(map(opt_state.__getitem__, layer.params))
+        if not states[0]:
+            rule.init_state(layer, group, states[0])
+        if fuses:
+            fused.setdefault(index, []).append(layer)
+            fused_states.setdefault(index, []).append(states)
             continue
         G = gradient_matrix(layer, accumulation_dtype(layer.weight.dtype))
         if grad_scale is not None:
             G = G / grad_scale.to(G.device, G.dtype)
         if group["maximize"]:
             G = G.neg()  # (never in place: G may be a view of the gradient)
-        states = [opt.state[p] for p in layer.params]
         seed = opt._seed(group, layer.weight)
         rule.apply(layer, group, states, G, group["step"], seed, found_inf=found_inf)
         if group["weight_rescale"]:
@@ -50,11 +58,10 @@ def precondition_layers(
         group = opt.param_groups[index]
         if grad_scale is not None and inv_scale is None:
             inv_scale = grad_scale.to(members[0].weight.device, torch.float32).reciprocal()
-        states = [[opt.state[p] for p in layer.params] for layer in members]
         seed = opt._seed(group, members[0].weight)
         factor = gradient_factor(inv_scale, group, members[0].weight.device)
-        opt.rule_for(group).apply_many(
-            members, group, states, factor, group["step"], seed, found_inf=found_inf
+        rules[index][0].apply_many(
+            members, group, fused_states[index], factor, group["step"], seed, found_inf=found_inf
         )
         if group["weight_rescale"]:
             for layer in members:

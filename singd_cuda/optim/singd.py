@@ -8,7 +8,9 @@ live in bfloat16/float16 (``factor_dtype``) with float32 accumulation.
 
 from __future__ import annotations
 
+import operator
 from functools import lru_cache, partial
+from itertools import chain
 from typing import Any, NamedTuple
 
 import torch
@@ -267,7 +269,9 @@ class SingdRule(LayerRule):
         S_K, S_C = self._classes(group)
         if S_K.name not in _STACKED or S_C.name not in _STACKED:
             return None
-        dtypes = tuple(part.dtype for side in _SIDES for part in state[side].values())
+        # the parts' dtypes, by C calls alone (this runs per layer every factor update)
+        parts = chain.from_iterable(map(dict.values, map(state.__getitem__, _SIDES)))
+        dtypes = tuple(map(_DTYPE, parts))
         return (layer.dim_in, layer.dim_out, layer.weight.dtype, layer.weight.device, dtypes)
 
     def _key_or_alone(self, layer, group, states):
@@ -389,7 +393,8 @@ class SingdRule(LayerRule):
             )
             return (None, None) if None in products else products
 
-        sources = tuple(t for s in states for side in ("C", "K") for t in s[0][side].values())
+        sides = chain.from_iterable(map(_OUTER_SIDES, [s[0] for s in states]))
+        sources = tuple(chain.from_iterable(map(dict.values, sides)))
         return self._stacked.get(layers, sources, derive)
 
     def _natural_stacked(self, layers, group, states, inv_scale, step: int) -> list[Tensor]:
@@ -433,6 +438,8 @@ class SingdRule(LayerRule):
 
 
 _SIDES = ("K", "m_K", "C", "m_C")
+_DTYPE = operator.attrgetter("dtype")
+_OUTER_SIDES = operator.itemgetter("C", "K")
 _STACKED = ("dense", "block_diagonal", "hierarchical", "diagonal")  # vmap-safe structures
 
 

@@ -10,15 +10,17 @@ the loss scale, with one multi-tensor multiply per (factor, device, dtype).
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor
 
 from ..curvature.layers import Layer
-from ..structures.base import HALF_DTYPES, accumulation_dtype
+from ..structures.base import HALF_DTYPES
 
 _DEVICE_DTYPE = operator.attrgetter("device", "dtype")
+_DTYPE = operator.attrgetter("dtype")
+_PLAIN = {Tensor}
 
 
 class StatisticsNormaliser:
@@ -28,11 +30,11 @@ class StatisticsNormaliser:
         self._scalars: dict[tuple, Tensor] = {}
 
     def __call__(
-        self, committed: dict, loss_average_of: Callable[[Layer], str | None], loss_scale
+        self, committed: dict, loss_averages: Mapping[Layer, str | None], loss_scale
     ) -> dict[Layer, dict]:
         """{layer: statistics} of the layers whose committed calls held a sample (w > 0),
         normalised in place. ``committed``: the capture's {layer: Committed};
-        ``loss_average_of(layer)``: its group's ``loss_average``; ``loss_scale``: the
+        ``loss_averages``: each layer's group's ``loss_average``; ``loss_scale``: the
         factor on the captured output gradients (a tensor, or None)."""
         pending = {}
         # (factor, scaled by the loss scale) -> statistics: one multiply per group below
@@ -44,7 +46,7 @@ class StatisticsNormaliser:
             terms = entry.terms
             if "in" in statistics:  # norm layers have no input side
                 scaled.setdefault((1.0 / terms, False), []).append(statistics["in"])
-            out_factor = 1.0 if loss_average_of(layer) is None else terms
+            out_factor = 1.0 if loss_averages[layer] is None else terms
             scaled.setdefault((out_factor, loss_scale is not None), []).append(statistics["out"])
             pending[layer] = statistics
         for (factor, by_loss_scale), group in scaled.items():
@@ -58,7 +60,7 @@ class StatisticsNormaliser:
         held in their accumulation dtype (one call, no grouping, when all are plain tensors
         of one device and dtype), by a 0-dim tensor kept between steps (a Python scalar
         would allocate one per call; the loss scale stays on the device, unread)."""
-        if all(type(statistic) is Tensor for statistic in statistics):  # the common case
+        if set(map(type, statistics)) == _PLAIN:  # the common case
             keys = list(map(_DEVICE_DTYPE, statistics))
             if keys.count(keys[0]) == len(keys) and keys[0][1] not in HALF_DTYPES:
                 torch._foreach_mul_(statistics, self._scalar(keys[0], factor, loss_scale))
@@ -67,8 +69,9 @@ class StatisticsNormaliser:
         for statistic in statistics:
             structured = getattr(statistic, "parts", None)  # a StructuredMatrix's parts
             parts = [statistic] if structured is None else list(structured.values())
-            dtype = accumulation_dtype(parts[0].dtype)
-            if all(part.dtype == dtype for part in parts):
+            dtype = parts[0].dtype  # its accumulation dtype, inline (a call per statistic)
+            dtype = torch.float32 if dtype in HALF_DTYPES else dtype
+            if set(map(_DTYPE, parts)) == {dtype}:
                 fused.setdefault((parts[0].device, dtype), []).extend(parts)
             else:  # low-precision parts: their own rounding on store
                 statistic.mul_(self._scalar((parts[0].device, dtype), factor, loss_scale))
