@@ -23,7 +23,9 @@ forward hook writing the input's column sums of squares into a preallocated buff
 output-gradient hook (``register_hook`` on the output) writing the other side's, and a
 ``torch._foreach_`` step doing AdaFisher's diagonal work (EMAs, min-max normalisation,
 s' x h' + damping, momentum, the bias-corrected update). Every row is read against AdamW
-and against this floor. Per layer per iteration (whole iterations, forward + backward + step,
+and against this floor. ``floor + K-FAC's inversions`` (:class:`InvertingFloor`) adds the
+two damped inversions per layer that K-FAC makes when it inverts every step, one
+``torch.linalg.inv`` per matrix as K-FAC calls them: the bound for that row. Per layer per iteration (whole iterations, forward + backward + step,
 over a few steady-state iterations, a whole number of T periods): Python and C function
 calls (``sys.setprofile``'s 'call' and 'c_call' events, C being builtins such as
 ``list.append`` and torch's bindings; on a CPU the backward runs in the calling thread, so
@@ -81,6 +83,10 @@ def optimizers() -> dict[str, tuple[int, Callable[[nn.Module], torch.optim.Optim
     return {
         "AdamW (foreach)": (1, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=True)),
         "floor (hooks into buffers + foreach step)": (1, lambda m: Floor(m, lr=1e-4)),
+        "floor + K-FAC's inversions (2 per layer, one torch.linalg.inv each)": (
+            1,
+            lambda m: InvertingFloor(m, lr=1e-4),
+        ),
         "AdaFisher (T=1)": (1, lambda m: AdaFisher(m, lr=1e-4)),
         "AdaFisher (T=1), nonfinite='device'": (
             1,
@@ -158,6 +164,28 @@ class Floor:
         torch._foreach_lerp_(self.moms, [p.grad for p in self.params], 1 - self.beta)
         updates = torch._foreach_div(self.moms, self.scales)
         torch._foreach_add_(self.data, updates, alpha=-self.lr / (1 - self.beta**self.t))
+
+
+class InvertingFloor(Floor):
+    """The floor plus the work K-FAC adds when it inverts every step and nothing else:
+    per layer, (A + λI)⁻¹ of a (d_in + 1)² and (G + λI)⁻¹ of a d_out² factor, one
+    ``torch.linalg.inv`` per matrix as K-FAC calls it (a batched call is faster but not
+    bitwise the same for every size), written into kept buffers by one foreach copy per
+    side. The factors stay λ-damped identities: LAPACK's time does not depend on them."""
+
+    def __init__(self, model, lr, **kwargs):
+        super().__init__(model, lr, **kwargs)
+        L, d_out, d_in = self.F.shape
+        self.factors = [
+            torch.eye(d, dtype=self.F.dtype).mul_(1 + self.damping).expand(L, d, d).clone()
+            for d in (d_in, d_out)
+        ]
+        self.inverses = [list(torch.empty_like(factor).unbind(0)) for factor in self.factors]
+
+    def step(self):
+        super().step()
+        for factor, inverses in zip(self.factors, self.inverses, strict=True):
+            torch._foreach_copy_(inverses, list(map(torch.linalg.inv, factor)))
 
 
 class _CountOps(TorchDispatchMode):

@@ -234,7 +234,10 @@ class KeptBatch:
                 batch = DiagonalBatch()
                 batch.params, batch.bufs, batch.rows, batch.cols = self._lists
                 batch.grads = [
-                    grad if view is None else _grad_view(grad, view)
+                    # _grad_view, inline (a Python call per bias saved)
+                    grad
+                    if view is None
+                    else grad.as_strided(*view[:2], grad.storage_offset() + view[2])
                     for grad, view in zip(queued, self._grad_views, strict=True)
                 ]
                 return batch
@@ -253,6 +256,9 @@ class KeptBatch:
                 for grad, view in zip(queued, batch.grad_views, strict=True)
             ]
         return batch
+
+
+_ROW, _COLUMN = operator.itemgetter(0), operator.itemgetter(1)  # s′ and h′ of (s′, h′, scratch)
 
 
 def _grad_view(grad: Tensor, view: tuple) -> Tensor:
@@ -417,8 +423,8 @@ class AdaFisherRule(LayerRule):
         """h ← γh + (1−γ)h_new and s ← γs + (1−γ)s_new of every layer in one
         ``torch._foreach_lerp_`` (elementwise, so bitwise the same as one lerp_ a vector)."""
         emas, news, targets, casts = [], [], [], []
-        for layer, state, pending in zip(layers, states, pendings, strict=True):
-            self._normalised.forget(layer)
+        self._normalised.forget(*layers)
+        for state, pending in zip(states, pendings, strict=True):
             for key, new in (("h", pending["in"]), ("s", pending["out"])):
                 ema = state[key]
                 if ema.dtype != new.dtype:  # a low-precision factor: the EMA in new's dtype
@@ -450,21 +456,17 @@ class AdaFisherRule(LayerRule):
         if group["graft"] is not None:
             self._apply_grafted(layers, group, states, inv_scale, step, seed, found_inf)
             return
-        stale: list[tuple[Tensor, Tensor]] = []  # (s or h, its s′ or h′ buffer) to refresh
-        scales = [
-            self._counted_scales(layer, ss[0], stale)
-            for layer, ss in zip(layers, states, strict=True)
-        ]
+        scales, stale = self._counted_scales_many(layers, states)
         counts = [layer_states[0]["step"] for layer_states in states]
         by_count: dict[int, tuple[int, DiagonalBatch]] = {}
         if counts.count(counts[0]) == len(counts):  # the common case: one batch, kept
-            rows, cols = [s for s, _ in scales], [h for _, h in scales]
+            rows, cols = list(map(_ROW, scales)), list(map(_COLUMN, scales))
             by_count[counts[0]] = (
                 0,
                 self._kept.batch(layers, states, rows, cols, "exp_avg", self._views),
             )
         else:
-            for position, (layer, layer_states, (s, h), count) in enumerate(
+            for position, (layer, layer_states, (s, h, _), count) in enumerate(
                 zip(layers, states, scales, counts, strict=True)
             ):
                 if count not in by_count:
@@ -507,25 +509,33 @@ class AdaFisherRule(LayerRule):
                 found_inf,
             )
 
-    def _counted_scales(
-        self, layer: Layer, state: dict, stale: list | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """(s′, h′) of the layer, counting one more update of it (its bias correction).
-        With ``stale`` given, values to recompute are queued there as (source, buffer)
-        pairs for :class:`StackedNormalise` instead (the buffers are filled by it)."""
+    def _counted_scales(self, layer: Layer, state: dict) -> tuple[Tensor, Tensor]:
+        """(s′, h′) of the layer, counting one more update of it (its bias correction)."""
         acc = accumulation_dtype(layer.weight.dtype)
-
-        def derive(s: Tensor, h: Tensor, out: tuple | None) -> tuple:
-            if stale is None:
-                return _normalised(s, h, acc, out)
-            if out is None:
-                out = (s.new_empty(s.shape, dtype=acc), h.new_empty(h.shape, dtype=acc), None)
-            stale.extend(((s, out[0]), (h, out[1])))
-            return out
-
-        s, h, _ = self._normalised.get(layer, (state["s"], state["h"]), derive)
+        s, h, _ = self._normalised.get(
+            layer, (state["s"], state["h"]), lambda s, h, out: _normalised(s, h, acc, out)
+        )
         state["step"] += 1
         return s, h
+
+    def _counted_scales_many(self, layers, states) -> tuple[list[tuple], list[tuple]]:
+        """:meth:`_counted_scales` of every layer (``states``: each layer's parameter
+        states), the values to recompute left to :class:`StackedNormalise`: ((s′, h′,
+        None) of every layer, the (s or h, its s′ or h′ buffer) pairs to normalise)."""
+
+        def create(position: int, s: Tensor, h: Tensor) -> tuple:
+            acc = accumulation_dtype(layers[position].weight.dtype)
+            return s.new_empty(s.shape, dtype=acc), h.new_empty(h.shape, dtype=acc), None
+
+        sources = [(ss[0]["s"], ss[0]["h"]) for ss in states]
+        scales, positions = self._normalised.get_many(layers, sources, create)
+        stale = []
+        for i in positions:
+            (s, h), (s_norm, h_norm, _) = sources[i], scales[i]
+            stale += ((s, s_norm), (h, h_norm))
+        for layer_states in states:
+            layer_states[0]["step"] += 1
+        return scales, stale
 
     @staticmethod
     def _step_batch(

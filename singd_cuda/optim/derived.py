@@ -42,15 +42,39 @@ class DerivedCache:
         self._entries[id(layer)] = [sources, values, True]
         return values
 
+    def get_many(
+        self, layers: list[Layer], sources: list[tuple[Tensor, ...]], create: Callable[..., tuple]
+    ) -> tuple[list[tuple], list[int]]:
+        """:meth:`get` of many layers (``sources[i]`` those of ``layers[i]``) with the
+        recomputation left to the caller, to do for all at once: (the values of every
+        layer, the positions of those to recompute). A value to recompute is its stale
+        buffers where its sources are the same objects, else ``create(i, *sources[i])``'s
+        new ones; either way it counts as fresh from here on."""
+        entries = self._entries
+        values, stale = [], []
+        for position, (layer, layer_sources) in enumerate(zip(layers, sources, strict=True)):
+            entry = entries.get(id(layer))
+            same = entry is not None and all(map(is_, entry[0], layer_sources))
+            if same and entry[2]:
+                values.append(entry[1])
+                continue
+            buffers = entry[1] if same else create(position, *layer_sources)
+            entries[id(layer)] = [layer_sources, buffers, True]
+            values.append(buffers)
+            stale.append(position)
+        return values, stale
+
     def values(self) -> list[tuple]:
         """The derived values held (stale ones included: they keep their buffers)."""
         return [entry[1] for entry in self._entries.values()]
 
-    def forget(self, layer: Layer) -> None:
-        """Mark the layer's values stale (its factors changed)."""
-        entry = self._entries.get(id(layer))
-        if entry is not None:
-            entry[2] = False
+    def forget(self, *layers: Layer) -> None:
+        """Mark the layers' values stale (their factors changed)."""
+        entries = self._entries
+        for layer in layers:
+            entry = entries.get(id(layer))
+            if entry is not None:
+                entry[2] = False
 
 
 class GroupCache:
@@ -89,6 +113,9 @@ class GroupCache:
         """The derived values held, one tuple per group."""
         return [entry[2] for entry in self._entries.values()]
 
-    def forget(self, layer: Layer) -> None:
-        """Mark the values of every group holding ``layer`` stale (its factors changed)."""
-        self._versions[id(layer)] = self._versions.get(id(layer), 0) + 1
+    def forget(self, *layers: Layer) -> None:
+        """Mark the values of every group holding one of ``layers`` stale (their factors
+        changed)."""
+        versions = self._versions
+        for layer in layers:
+            versions[id(layer)] = versions.get(id(layer), 0) + 1

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Hashable, Sequence
+from itertools import chain
 
 import torch
 from torch import Tensor
 
-from ..curvature.layers import Layer, gradient_matrix
+from ..curvature.layers import Layer, LayerKind, gradient_matrix, split_matrix
 from ..structures.block_diagonal import BlockDiagonal
 from ..structures.dense import Dense
 from ..structures.hierarchical import SymmetricArrow
@@ -96,12 +97,27 @@ def stacked_gradients(
     """Columns ``start``.. of G (:func:`~singd_cuda.curvature.layers.gradient_matrix`) of
     every layer, stacked: (L, d_C, d_K - start) in ``dtype``, the bias gradient as the last
     column; zeros for a parameter without a gradient; times ``inv_scale`` (a scalar
-    tensor) when given. ``start`` must not pass the weight's columns. One foreach copy for
-    all layers."""
+    tensor) when given. ``start`` must not pass the weight's columns. Layers of one
+    layout (:func:`_one_layout`) with every gradient present: a stack of their weight
+    gradients and one of their bias gradients, copied in; else one foreach copy of
+    per-layer views."""
     first = layers[0]
     out = torch.empty(
         len(layers), first.dim_out, first.dim_in - start, dtype=dtype, device=first.weight.device
     )
+    if _one_layout(layers):
+        weights = [layer.weight.grad for layer in layers]
+        biases = [layer.bias.grad for layer in layers] if first.bias is not None else []
+        if None not in weights and None not in biases:
+            stacked = torch.stack(weights).reshape(len(layers), first.dim_out, -1)
+            if biases:
+                out[:, :, :-1].copy_(stacked[:, :, start:])
+                out[:, :, -1].copy_(torch.stack(biases))
+            else:
+                out.copy_(stacked[:, :, start:])
+            if inv_scale is not None:
+                out.mul_(inv_scale.to(dtype))
+            return out
     targets, sources = [], []
     for i, layer in enumerate(layers):
         weight_cols = out[i, :, :-1] if layer.bias is not None else out[i]
@@ -120,6 +136,36 @@ def stacked_gradients(
     if inv_scale is not None:
         out.mul_(inv_scale.to(dtype))
     return out
+
+
+def split_matrices(layers: Sequence[Layer], matrices: Tensor | Sequence[Tensor]) -> list[Tensor]:
+    """:func:`~singd_cuda.curvature.layers.split_matrix` of every layer's (d_C, d_K)
+    matrix, concatenated in parameter order (weight, bias of the first layer, ...).
+    ``matrices``: one per layer, or their stack (L, d_C, d_K); a stack of layers of one
+    layout (:func:`_one_layout`) is split by a few views for all."""
+    if isinstance(matrices, Tensor) and _one_layout(layers):
+        first, count = layers[0], len(layers)
+        if first.bias is None:
+            return list(matrices.reshape(count, *first.weight.shape).unbind(0))
+        weights = matrices[:, :, :-1].reshape(count, *first.weight.shape).unbind(0)
+        biases = matrices[:, :, -1].reshape(count, *first.bias.shape).unbind(0)
+        return list(chain.from_iterable(zip(weights, biases, strict=True)))
+    return list(chain.from_iterable(map(split_matrix, layers, matrices)))
+
+
+_LAYOUT = operator.attrgetter("kind", "weight.shape", "dim_in")
+
+
+def _one_layout(layers: Sequence[Layer]) -> bool:
+    """Whether ``layers`` share their kind, weight shape and d_K (so their bias presence
+    too), with the kind's weight matrix its weight reshaped (LayerKind's own): their
+    weight matrices are then one reshape of their stacked weights (and back)."""
+    kind = layers[0].kind
+    return (
+        type(kind).weight_matrix is LayerKind.weight_matrix
+        and type(kind).weight_from_matrix is LayerKind.weight_from_matrix
+        and len(set(map(_LAYOUT, layers))) == 1
+    )
 
 
 class StackedProduct:

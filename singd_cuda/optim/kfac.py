@@ -34,7 +34,7 @@ from .base import KroneckerOptimizer, checked_fallback
 from .derived import GroupCache
 from .factor_memory import warn_large_factors
 from .graft import graft_
-from .grouped import partition, stacked_gradients
+from .grouped import partition, split_matrices, stacked_gradients
 from .rule import LayerRule, scheduled
 from .scale_out import DEFAULT_BUCKET_CAP_MB
 from .write import sgd_update_
@@ -182,18 +182,18 @@ class KfacRule(LayerRule):
             members = [layers[i] for i in part]
             member_states = [states[i] for i in part]
             naturals = self._naturals(members, member_states, inv_scale)
-            for layer, layer_states, natural in zip(members, member_states, naturals, strict=True):
+            for layer, layer_states in zip(members, member_states, strict=True):
                 params += layer.params
-                directions += split_matrix(layer, natural)
                 param_states += layer_states
+            directions += split_matrices(members, naturals)
         graft_(params, directions, param_states, group, inv_scale, found_inf)
         sgd_update_(params, directions, param_states, group, seed, found_inf)
 
-    def _naturals(self, layers, states, inv_scale) -> list[Tensor]:
+    def _naturals(self, layers, states, inv_scale) -> Tensor | list[Tensor]:
         """G_inv ∇W A_inv (unscaled) of layers of equal shapes: as batched products over
         their stacked gradients and inverses when the stacked inverses are small (at most
-        ``SMALL_STACK`` values; kept until the next inversion of any of them), else one
-        layer at a time."""
+        ``SMALL_STACK`` values; kept until the next inversion of any of them), stacked
+        (L, d_C, d_K), else one layer at a time, a list."""
         first = layers[0]
         dtype = accumulation_dtype(first.weight.dtype)
         if len(layers) > 1 and len(layers) * (first.dim_in**2 + first.dim_out**2) <= SMALL_STACK:
@@ -207,7 +207,7 @@ class KfacRule(LayerRule):
                 ),
             )
             G = stacked_gradients(layers, dtype, inv_scale=inv_scale)
-            return list(torch.bmm(torch.bmm(G_inv, G), A_inv).unbind(0))
+            return torch.bmm(torch.bmm(G_inv, G), A_inv)
         naturals = []
         for layer, layer_states in zip(layers, states, strict=True):
             G = gradient_matrix(layer, dtype)

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from .. import ops
 from .. import structures as structure_registry
-from ..curvature.layers import Layer, split_matrix
+from ..curvature.layers import Layer
 from ..structures.base import StructuredMatrix, accumulation_dtype
 from ..structures.congruence import congruence, shared_statistic
 from ..structures.diagonal import Diagonal
@@ -29,7 +29,7 @@ from .base import KroneckerOptimizer, checked_fallback
 from .derived import DerivedCache, GroupCache
 from .factor_memory import warn_large_factors
 from .graft import graft_
-from .grouped import StackedProduct, StackedSums, partition, stacked_gradients
+from .grouped import StackedProduct, StackedSums, partition, split_matrices, stacked_gradients
 from .rule import LayerRule, scheduled
 from .scale_out import DEFAULT_BUCKET_CAP_MB
 from .write import sgd_update_
@@ -169,10 +169,10 @@ class SingdRule(LayerRule):
             members = [layers[i] for i in part]
             member_states = [states[i] for i in part]
             naturals = self._natural_stacked(members, group, member_states, inv_scale, step)
-            for layer, layer_states, natural in zip(members, member_states, naturals, strict=True):
+            for layer, layer_states in zip(members, member_states, strict=True):
                 params += layer.params
-                directions += split_matrix(layer, natural)
                 param_states += layer_states
+            directions += split_matrices(members, naturals)
         graft_(params, directions, param_states, group, inv_scale, found_inf)
         sgd_update_(params, directions, param_states, group, seed, found_inf)
 
@@ -180,17 +180,11 @@ class SingdRule(LayerRule):
         """:func:`singd_cuda.ops.diag_precond_step_` (mode "singd") over every layer:
         Ĝ = c² ⊙ G ⊙ k² and momentum SGD, in one pass over W, G and the buffers."""
         momentum = group["momentum"]
-        stale: list[tuple[Tensor, Tensor, DiagonalSquares]] = []  # filled as one batch
-
-        def derive(c: Tensor, k: Tensor, out: DiagonalSquares | None) -> DiagonalSquares:
-            out = _square_buffers(c, k) if out is None else out
-            stale.append((c, k, out))
-            return out
-
-        squares = [
-            self._squares.get(layer, (s[0]["C"]["diag"], s[0]["K"]["diag"]), derive)
-            for layer, s in zip(layers, states, strict=True)
-        ]
+        sources = [(s[0]["C"]["diag"], s[0]["K"]["diag"]) for s in states]
+        squares, positions = self._squares.get_many(
+            layers, sources, lambda _, c, k: _square_buffers(c, k)
+        )
+        stale = [(*sources[i], squares[i]) for i in positions]  # filled as one batch
         _fill_squares(stale, self._traces)
         buf_key = "momentum_buffer" if momentum != 0.0 else None
         rows, cols = [sq.c2 for sq in squares], [sq.k2 for sq in squares]
@@ -244,8 +238,7 @@ class SingdRule(LayerRule):
             beta1=scheduled(group["lr_cov"], step),
             damping=scheduled(group["damping"], step),
         )
-        for layer in layers:
-            self._forget(layer)  # the squares were read above; the factors changed
+        self._forget(*layers)  # the squares were read above; the factors changed
 
     def accumulate_shared(self, layer, group, pending, a: Tensor, g: Tensor) -> None:
         """K-free statistics Π̂(aᵀa), Π̂(gᵀg) (dense Gram for structures that need it);
@@ -287,8 +280,7 @@ class SingdRule(LayerRule):
         if self._diagonal(group):  # it reads the cached squares of the factors, then forgets
             self._update_diagonal_factors(layers, states, pendings, group, step)
             return
-        for layer in layers:
-            self._forget(layer)
+        self._forget(*layers)
         S_K, S_C = self._classes(group)
         update = partial(
             _stacked_factor_update,
@@ -312,11 +304,11 @@ class SingdRule(LayerRule):
                 sources += list(stacked.unbind(0))
         torch._foreach_copy_(targets, sources)
 
-    def _forget(self, layer) -> None:
-        """Mark every value derived from the layer's factors stale."""
-        self._outer.forget(layer)
-        self._squares.forget(layer)
-        self._stacked.forget(layer)
+    def _forget(self, *layers) -> None:
+        """Mark every value derived from the layers' factors stale."""
+        self._outer.forget(*layers)
+        self._squares.forget(*layers)
+        self._stacked.forget(*layers)
 
     def update_factors(self, layer, group, state, pending, step: int) -> None:
         if self._diagonal(group) and not group["normalize_lr_cov"]:
@@ -397,8 +389,9 @@ class SingdRule(LayerRule):
         sources = tuple(chain.from_iterable(map(dict.values, sides)))
         return self._stacked.get(layers, sources, derive)
 
-    def _natural_stacked(self, layers, group, states, inv_scale, step: int) -> list[Tensor]:
-        """Ĝ = (C Cᵀ) G (K Kᵀ) (d_C x d_K, unscaled) of layers of equal group key."""
+    def _natural_stacked(self, layers, group, states, inv_scale, step: int) -> Tensor | list:
+        """Ĝ = (C Cᵀ) G (K Kᵀ) (d_C x d_K, unscaled) of layers of equal group key: stacked
+        (L, d_C, d_K) where their products stack, else a list."""
         dtype = accumulation_dtype(layers[0].weight.dtype)
         CCt, KKt = self._stacked_outer(layers, group, states, step)
         if CCt is None:
@@ -409,7 +402,7 @@ class SingdRule(LayerRule):
             ]
         # K side first (G K Kᵀ), C side last, in place: Ĝ comes out row-major like the
         # parameters
-        return list(CCt.matmul_(KKt.gradients_times_transpose(layers, dtype, inv_scale)).unbind(0))
+        return CCt.matmul_(KKt.gradients_times_transpose(layers, dtype, inv_scale))
 
     def row_local(self, group: dict) -> bool:
         """A diagonal C: rows of (C Cᵀ) G (K Kᵀ) need only the same rows of G."""

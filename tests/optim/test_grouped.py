@@ -15,6 +15,8 @@ import singd_cuda.ops as ops
 import singd_cuda.optim.grouped as grouped
 import singd_cuda.optim.singd as singd_module
 from singd_cuda import SINGD
+from singd_cuda.curvature.discovery import find_layers
+from singd_cuda.curvature.layers import gradient_matrix, split_matrix
 from singd_cuda.optim.grouped import StackedProduct
 
 T = 3
@@ -223,3 +225,58 @@ def test_nonfinite_stacked_factor_update_restores_every_factor(stacked_calls):
             if isinstance(value, dict):
                 for name, part in value.items():
                     assert torch.equal(part, after["state"][index][key][name])
+
+
+def _layers(*modules: nn.Module) -> list:
+    """The layers of ``modules`` as an optimizer finds them."""
+    model = nn.ModuleList(modules)
+    return find_layers(model, {id(p): 0 for p in model.parameters()}, "test")
+
+
+@pytest.mark.parametrize(
+    "modules, start",
+    [
+        (lambda: [nn.Linear(6, 4) for _ in range(3)], 0),  # one layout: the stacked path
+        (lambda: [nn.Linear(6, 4) for _ in range(3)], 2),
+        (lambda: [nn.Linear(6, 4, bias=False) for _ in range(3)], 1),
+        (lambda: [nn.Conv2d(2, 4, 3) for _ in range(2)], 0),
+        # equal d_C and d_K, other layouts: the per-layer path
+        (lambda: [nn.Linear(6, 4), nn.Linear(7, 4, bias=False), nn.Conv2d(2, 4, (1, 3))], 0),
+    ],
+)
+@pytest.mark.parametrize("grad_dtype", [torch.float64, torch.bfloat16])
+def test_stacked_gradients_and_split_equal_the_per_layer_matrices(modules, start, grad_dtype):
+    """stacked_gradients == the stack of gradient_matrix, and split_matrices of a stack ==
+    split_matrix of each layer, bitwise, whichever path the layers take."""
+    torch.manual_seed(0)
+    layers = _layers(*(module.to(grad_dtype) for module in modules()))
+    for layer in layers:
+        for p in layer.params:
+            p.grad = torch.randn(p.shape, dtype=torch.float64).to(grad_dtype)
+    dtype = torch.float64
+    expected = torch.stack([gradient_matrix(layer, dtype)[:, start:] for layer in layers])
+    got = grouped.stacked_gradients(layers, dtype, start=start)
+    assert torch.equal(got, expected)
+    scale = torch.tensor(0.5, dtype=torch.float64)
+    assert torch.equal(
+        grouped.stacked_gradients(layers, dtype, inv_scale=scale)[:, :, start:], expected * 0.5
+    )
+    M = torch.randn(len(layers), layers[0].dim_out, layers[0].dim_in, dtype=dtype)
+    split = grouped.split_matrices(layers, M)
+    reference = [
+        part for layer, m in zip(layers, M, strict=True) for part in split_matrix(layer, m)
+    ]
+    assert len(split) == len(reference)
+    for a, b in zip(split, reference, strict=True):
+        assert a.shape == b.shape and torch.equal(a, b)
+
+
+def test_stacked_gradients_of_a_layer_without_gradient_are_zeros():
+    """A parameter without a gradient (frozen, or unused this step) gives zero columns; the
+    others' stay (the per-layer path, whatever the layout)."""
+    layers = _layers(nn.Linear(3, 2), nn.Linear(3, 2))
+    layers[0].weight.grad = torch.ones(2, 3)
+    layers[1].weight.grad, layers[1].bias.grad = torch.full((2, 3), 2.0), torch.full((2,), 3.0)
+    G = grouped.stacked_gradients(layers, torch.float32)
+    assert torch.equal(G[0], torch.tensor([[1.0, 1, 1, 0], [1, 1, 1, 0]]))
+    assert torch.equal(G[1], torch.tensor([[2.0, 2, 2, 3], [2, 2, 2, 3]]))
