@@ -182,15 +182,16 @@ class FactorUndo:
     """Saves layer states before their factor updates and restores them on demand.
 
     Vectors (the diagonal and AdaFisher states) are saved into buffers kept between
-    steps, so those update steps allocate nothing; matrices are cloned for the step only,
-    a transient copy as large as the factors being updated (their update allocates
-    temporaries of that size anyway). ``skip`` names state entries no factor update
-    writes (the parameter momenta); ``flags`` the host flags an update may set for good
-    (SINGD's warm start), which no predicated select on the device can undo.
+    steps, so those update steps allocate nothing; matrices are copied for the step only
+    (one stack per run of equal shape, dtype and device), a transient copy as large as
+    the factors being updated (their update allocates temporaries of that size anyway).
+    ``skip`` names state entries no factor update writes (the parameter momenta);
+    ``flags`` the host flags an update may set for good (SINGD's warm start), which no
+    predicated select on the device can undo.
 
     Where the saved entries lie (a :class:`_Layout`) is found once and kept while the
     states hold the same objects, so that a steady-state save is a few identity checks,
-    one multi-tensor copy and the matrices' clones.
+    one multi-tensor copy and a stack per run of matrices.
     """
 
     def __init__(
@@ -214,7 +215,8 @@ class FactorUndo:
             layout.buffers = [self._buffer(vector) for vector in layout.vectors]
         if layout.vectors:
             torch._foreach_copy_(layout.buffers, layout.vectors)
-        clones = [matrix.clone() for matrix in layout.matrices]
+        matrices = layout.matrices
+        clones = [copy for a, b in layout.runs for copy in torch.stack(matrices[a:b]).unbind(0)]
         self._saved = clones, [container[key] for container, key in layout.values]
 
     def _buffer(self, value: Tensor) -> Tensor:
@@ -292,7 +294,7 @@ class _Layout:
         self.objects: list[Any] = []  # what the slots held
         self.vectors: list[Tensor] = []  # saved into buffers (FactorUndo._buffer)
         self.buffers: list[Tensor] = []
-        self.matrices: list[Tensor] = []  # cloned
+        self.matrices: list[Tensor] = []  # copied, a stack per run of one shape (runs)
         self.vector_paths: list[tuple[int, tuple]] = []  # (state index, key path)
         self.matrix_paths: list[tuple[int, tuple]] = []
         self.values: list[tuple[dict, Any]] = []  # (container, key) of host values
@@ -307,6 +309,15 @@ class _Layout:
                 position = start + paths.index((index, (key,))) if found else None
                 self.flags.append((state, key, position))
         self.lengths = [len(container) for container in self.containers]
+        # the matrices in runs of one (shape, dtype, device), each saved by one stack
+        runs: dict[tuple, list[int]] = {}
+        for i, matrix in enumerate(self.matrices):
+            runs.setdefault((matrix.shape, matrix.dtype, matrix.device), []).append(i)
+        order = [i for run in runs.values() for i in run]
+        self.matrices = [self.matrices[i] for i in order]
+        self.matrix_paths = [self.matrix_paths[i] for i in order]
+        ends = list(itertools.accumulate(map(len, runs.values())))
+        self.runs = list(zip([0, *ends][:-1], ends, strict=True))  # (start, end) of each
 
     def _walk(self, index: int, container: dict, path: tuple, skip: tuple[str, ...]) -> None:
         self.containers.append(container)

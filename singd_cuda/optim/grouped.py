@@ -108,7 +108,8 @@ def stacked_gradients(
     if _one_layout(layers):
         weights = [layer.weight.grad for layer in layers]
         biases = [layer.bias.grad for layer in layers] if first.bias is not None else []
-        if None not in weights and None not in biases:
+        # (by type: `None in` a list of tensors compares each with ==, a Python call)
+        if type(None) not in set(map(type, weights + biases)):
             stacked = torch.stack(weights).reshape(len(layers), first.dim_out, -1)
             if biases:
                 out[:, :, :-1].copy_(stacked[:, :, start:])
