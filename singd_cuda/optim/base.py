@@ -379,11 +379,12 @@ class KroneckerOptimizer(Optimizer):
         a call counted already), the output side from the raw output gradient (g without
         √L). True: the call counts.
 
-        The diagonal path of a layer (in one process, without ``kfac_approx="reduce"``)
-        is decided once and kept while the group, its ``structures`` and ``kfac_approx``,
-        the weight's dtype and the layer's state are the same objects (the rules decide
+        A layer's path (in one process, without ``kfac_approx="reduce"``) is decided
+        once and kept while the group, its ``structures`` and ``kfac_approx``, the
+        weight's dtype and the optimizer's state are the same objects (the rules decide
         ``rule_for`` and ``diagonal_statistics`` from ``structures``): then a call takes
-        the two reductions and the rule's ``accumulate_diagonal`` only."""
+        a and g (or their two square sums) and the rule's ``accumulate`` (or
+        ``accumulate_diagonal``) only."""
         plan = self._statistics_plans.get(layer)
         if plan is not None and with_input:
             group, structures, kfac_approx, weight_dtype, states, state, rule, dtype, sums = plan
@@ -394,6 +395,11 @@ class KroneckerOptimizer(Optimizer):
                 and layer.weight.dtype is weight_dtype
                 and self.state is states
             ):
+                if sums is None:  # the rows of a and g
+                    a = input_matrix(layer, layer_input, dtype).mul_(math.sqrt(weight))
+                    g = grad_output_matrix(layer, grad_output, dtype)
+                    rule.accumulate(layer, group, state, into, a, g)
+                    return True
                 h = sums.inputs(layer_input, dtype, weight)
                 s = sums.outputs(grad_output, dtype)
                 rule.accumulate_diagonal(layer, group, state, into, h, s)
@@ -413,7 +419,8 @@ class KroneckerOptimizer(Optimizer):
             return True
         rule = self.rule_for(group)
         device = grad_output.device
-        if group["kfac_approx"] == "reduce":  # one row per sample (docs/concepts/curvature.md)
+        reduced = group["kfac_approx"] == "reduce"
+        if reduced:  # one row per sample (docs/concepts/curvature.md)
             batch_dim = self._counter.norm_batch_dim(layer, group["batch_dim"])
             a = reduced_input_matrix(layer, layer_input, grad_output, dtype, batch_dim)
             g = reduced_grad_output_matrix(layer, grad_output, dtype, batch_dim)
@@ -430,13 +437,8 @@ class KroneckerOptimizer(Optimizer):
             else:
                 h = sums.inputs(layer_input, dtype, weight)
             s = g.square().sum(0) if g is not None else sums.outputs(grad_output, dtype)
-            state = self._layer_state(layer, group)
-            rule.accumulate_diagonal(layer, group, state, into, h, s)
-            if self._sync is None and a is None:
-                self._statistics_plans[layer] = (
-                    group, group.get("structures"), group["kfac_approx"], layer.weight.dtype,
-                    self.state, state, rule, dtype, sums,
-                )  # fmt: skip
+            rule.accumulate_diagonal(layer, group, self._layer_state(layer, group), into, h, s)
+            self._plan_statistics(layer, group, reduced, rule, dtype, sums)
             return True
         if not with_input:  # no rows: the rules add nothing to the input side
             a = torch.zeros(0, layer.dim_in, dtype=dtype, device=device)
@@ -447,7 +449,18 @@ class KroneckerOptimizer(Optimizer):
         if g is None:
             g = grad_output_matrix(layer, grad_output, dtype)
         self._accumulate(layer, group, into, a, g)
+        self._plan_statistics(layer, group, reduced, rule, dtype, None)
         return True
+
+    def _plan_statistics(self, layer, group, reduced: bool, rule, dtype, sums) -> None:
+        """Keep how ``layer``'s statistics accumulate (:meth:`_accumulate_statistics`) in
+        one process without ``kfac_approx="reduce"``: from the rows of a and g (``sums``
+        None) or from their square sums (the layer's :class:`SquareSums`)."""
+        if self._sync is None and not reduced:
+            self._statistics_plans[layer] = (
+                group, group.get("structures"), group["kfac_approx"], layer.weight.dtype,
+                self.state, self._layer_state(layer, group), rule, dtype, sums,
+            )  # fmt: skip
 
     def _layer_state(self, layer: Layer, group: dict) -> dict:
         """The weight's state; at the layer's first statistics its factors are created

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from singd_cuda import SINGD, AdaFisher
+from singd_cuda import KFAC, SINGD, AdaFisher
 
 STEPS = 6
 EDIT_AT = 2
@@ -112,6 +112,8 @@ def train(
 OPTIMIZERS = {
     "singd-diagonal": lambda m: SINGD(m, lr=0.1, structures="diagonal", T=1),
     "adafisher": lambda m: AdaFisher(m, lr=0.01),
+    "singd-dense": lambda m: SINGD(m, lr=0.1, structures="dense", T=1),
+    "kfac": lambda m: KFAC(m, lr=0.1, T=1),
 }
 
 SCENARIOS = {
