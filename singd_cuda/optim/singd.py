@@ -115,8 +115,9 @@ class SingdRule(LayerRule):
 
     def accumulate(self, layer, group, state, pending, a: Tensor, g: Tensor) -> None:
         """H_K += Π̂(Kᵀ aᵀa K) and H_C += Π̂(Cᵀ gᵀg C), as Gram matrices of aK and gC."""
-        factors = self._factors(layer, group, state)
-        K, C = factors["K"], factors["C"]
+        S_K, S_C = self._classes(group)  # K and C alone (not _factors: the momenta too)
+        K = S_K.from_parts(layer.dim_in, state["K"])
+        C = S_C.from_parts(layer.dim_out, state["C"])
         H_K = type(K).project_gram(K.rmatmul(a.T).T)
         H_C = type(C).project_gram(C.rmatmul(g.T).T)
         if "in" in pending:
