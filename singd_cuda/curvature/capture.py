@@ -74,12 +74,10 @@ class CaptureOwner(Protocol):
     def _before_forward(self) -> None:
         """Called at each grad-enabled forward of the model, before any layer's."""
 
-    def _wants_statistics(self, layer: Layer) -> bool:
-        """Whether ``layer`` takes statistics on the current step."""
-
-    def _loss_terms(self, layer: Layer, output: Tensor) -> int:
-        """w of one call: the loss terms its output covers (it may read and update the
-        capture's ``model_batch``)."""
+    def _layer_call(self, layer: Layer, output: Tensor) -> int:
+        """w of a grad-enabled call of ``layer``: the loss terms its output covers (it may
+        read and update the capture's ``model_batch``), or -1 when the layer takes no
+        statistics on the current step."""
 
     def _call_batch(self, batch: int) -> None:
         """A module that knows its batch (an RNN, attention) was called on ``batch``
@@ -178,7 +176,7 @@ class CurvatureCapture:
         self._generation = 0
         self._layers = list(layers)
         handle = capture_ops.register(self)
-        ref = weakref.ref(self)
+        ref = self._ref = weakref.ref(self)
         probe = capture_ops.new_probe()
         self._handles = [
             module.register_forward_hook(
@@ -226,65 +224,23 @@ class CurvatureCapture:
 
     def _on_forward(self, index: int, output: Tensor) -> tuple[int, int] | None:
         """(call, w) of a grad-enabled call of a layer whose weight is trainable, None when
-        it takes no statistics."""
+        it takes no statistics (the traced path; :class:`_LayerHook` does the same inline)."""
         if not self.saw_samples:
             self.saw_samples = output.numel() > 0
         layer = self._layers[index]
-        owner = self._owner
-        if not owner._wants_statistics(layer):
+        terms = self._owner._layer_call(layer, output)
+        if terms < 0:
             return None
         if id(layer.weight) not in self._grad_hooks:
             self._hook_weight(self._slots[index])  # a weight unfrozen after construction
-        return next(self._calls), int(owner._loss_terms(layer, output))
+        return next(self._calls), terms
 
     # ------------------------------------------------------------ backward
     def _on_grad(
         self, index: int, layer_input: Tensor, grad_output: Tensor, call: int, weight: float
     ) -> None:
-        slot = self._slots[index]
-        layer = slot.layer
-        if self._direct:
-            committed = self.committed.setdefault(layer, Committed(direct=True))
-            new = call not in committed.calls
-            into = committed.statistics
-            if self._accumulate(layer, layer_input, grad_output, weight, into, new) and new:
-                committed.calls.add(call)
-                committed.terms += weight
-            return
-        statistics = slot.statistics
-        if statistics is None:
-            if not self._callback_queued:
-                self._callback_queued = True
-                self._distributed = dist.is_available() and dist.is_initialized()
-                self._queue_backward_end()
-            # whether the weight's gradient was reset since the last pass that reached it
-            # (the module docstring); none reached it since the last step: not reset, nor
-            # under torch.distributed (collectives write .grad after the hooks)
-            grad = layer.weight.grad
-            slot.after_reset = grad is None or (
-                slot.generation == self._generation
-                and not self._distributed
-                and (slot.grad() is not grad or slot.grad_version != grad._version)
-            )
-            statistics = slot.statistics = {}
-            self._staging.append(slot)
-        calls = slot.calls
-        previous = self.committed.get(layer)
-        kept = previous is not None and (previous.direct or not slot.after_reset)
-        new = call not in calls and not (kept and call in previous.calls)
-        try:
-            if torch.is_autocast_enabled(grad_output.device.type):
-                counts = self._accumulate(layer, layer_input, grad_output, weight, statistics, new)
-            else:  # as _accumulate, one call less
-                accumulate = self._owner._accumulate_statistics
-                counts = accumulate(layer, layer_input, grad_output, weight, statistics, new)
-        except BaseException:
-            # the pass fails (its end callback will not run): it stages nothing more, and
-            # what it staged must not wait for a later pass's commit
-            self._end_pass()
-            raise
-        if counts and new:
-            calls[call] = weight
+        """Stage one call's statistics (the traced path; eager calls run :func:`_stage`)."""
+        _stage(self._ref, index, layer_input, call, weight, grad_output)
 
     def _accumulate(self, layer, layer_input, grad_output, weight, into, with_input) -> bool:
         accumulate = self._owner._accumulate_statistics
@@ -294,36 +250,8 @@ class CurvatureCapture:
         with torch.autocast(device_type, enabled=False):
             return accumulate(layer, layer_input, grad_output, weight, into, with_input)
 
-    def _on_accumulated(self, slot: _LayerSlot, grad: Tensor) -> None:
-        # the gradient this pass leaves (also one without statistics of the layer: a
-        # weight in an L2 term), against which the next pass tells a reset
-        slot.grad, slot.grad_version = weakref.ref(grad), grad._version
-        slot.generation = self._generation
-        statistics = slot.statistics
-        if statistics is None:
-            return
-        slot.statistics = None
-        layer = slot.layer
-        committed = self.committed
-        previous = committed.get(layer)
-        if previous is not None and slot.after_reset and not previous.direct:
-            del committed[layer]  # the statistics before the reset go with the gradient
-            previous = None
-        if previous is None:
-            previous = committed[layer] = slot.entry
-            previous.statistics, previous.terms, previous.direct = statistics, 0.0, False
-            previous.calls.clear()
-        else:
-            merge_statistics(previous.statistics, statistics)
-        counted = previous.calls
-        for call, weight in slot.calls.items():
-            if call not in counted:
-                counted.add(call)
-                previous.terms += weight
-        slot.calls.clear()
-
     def _queue_backward_end(self) -> None:
-        ref = weakref.ref(self)
+        ref = self._ref
         torch.autograd.Variable._execution_engine.queue_callback(
             lambda: _call(ref, "_on_backward_end")
         )
@@ -492,9 +420,13 @@ class _LayerHook(_InertCopies):
     def __call__(self, module: nn.Module, args, kwargs, output):
         if not (torch.is_grad_enabled() and isinstance(output, Tensor) and output.requires_grad):
             return None
-        if not self._weight.requires_grad:
+        weight = self._weight
+        if not weight.requires_grad:
             return None
-        if torch.compiler.is_compiling():
+        # torch.compiler.is_compiling() less its torch.jit.is_scripting() call (hooks are
+        # never scripted); Dynamo folds is_dynamo_compiling() to True, so it never reads
+        # the flag (which torch.export sets)
+        if torch.compiler.is_dynamo_compiling() or torch.compiler._is_compiling_flag:
             token = capture_ops.mark(self._forward, output, self._handle, self._index)
             layer_input = _input(args, kwargs)
             return capture_ops.Stage.apply(
@@ -506,23 +438,80 @@ class _LayerHook(_InertCopies):
         if torch._C._are_functorch_transforms_active():
             capture._saw(output)  # torch.func: note the samples, capture nothing
             return None
-        fields = capture._on_forward(self._index, output)
-        if fields is not None:  # a hook on the output's gradient, no copy of the output
-            layer_input = (args[0] if args else next(iter(kwargs.values()))).detach()
-            stage = partial(_stage, self._ref, self._index, layer_input, *fields)
-            output.register_hook(stage)
+        # CurvatureCapture._on_forward, inline (a Python call less per layer call)
+        if not capture.saw_samples:
+            capture.saw_samples = output.numel() > 0
+        index = self._index
+        terms = capture._owner._layer_call(capture._layers[index], output)
+        if terms < 0:
+            return None
+        if id(weight) not in capture._grad_hooks:
+            capture._hook_weight(capture._slots[index])  # a weight unfrozen after construction
+        # a hook on the output's gradient, no copy of the output
+        layer_input = (args[0] if args else next(iter(kwargs.values()))).detach()
+        stage = partial(_stage, self._ref, index, layer_input, next(capture._calls), terms)
+        output.register_hook(stage)
         return None
 
 
 def _stage(ref, index: int, layer_input: Tensor, call: int, weight: int, grad_output: Tensor):
-    """The eager path of a layer call that takes statistics: a hook on its output's
-    gradient stages them. A tensor hook sees the gradient of the value the layer returned
-    even when later code modifies the output in place (``ReLU(inplace=True)``), so the
-    output is neither copied nor wrapped; the hook (a ``functools.partial``: no Python
-    object of ours per call) and the input it keeps live as long as the autograd graph."""
+    """Stage the statistics of one layer call for the running backward pass: the hook on
+    the output's gradient of an eager layer call that takes statistics (through
+    :meth:`CurvatureCapture._on_grad` on the traced path).
+
+    A tensor hook sees the gradient of the value the layer returned even when later code
+    modifies the output in place (``ReLU(inplace=True)``), so the output is neither copied
+    nor wrapped; the hook (a ``functools.partial``: no Python object of ours per call) and
+    the input it keeps live as long as the autograd graph. One function, not a method
+    called from one, for one Python call per layer call."""
     capture = ref()
-    if capture is not None:
-        capture._on_grad(index, layer_input, grad_output, call, float(weight))
+    if capture is None:
+        return
+    weight = float(weight)
+    slot = capture._slots[index]
+    layer = slot.layer
+    if capture._direct:
+        committed = capture.committed.setdefault(layer, Committed(direct=True))
+        new = call not in committed.calls
+        into = committed.statistics
+        if capture._accumulate(layer, layer_input, grad_output, weight, into, new) and new:
+            committed.calls.add(call)
+            committed.terms += weight
+        return
+    statistics = slot.statistics
+    if statistics is None:
+        if not capture._callback_queued:
+            capture._callback_queued = True
+            capture._distributed = dist.is_available() and dist.is_initialized()
+            capture._queue_backward_end()
+        # whether the weight's gradient was reset since the last pass that reached it
+        # (the module docstring); none reached it since the last step: not reset, nor
+        # under torch.distributed (collectives write .grad after the hooks)
+        grad = layer.weight.grad
+        slot.after_reset = grad is None or (
+            slot.generation == capture._generation
+            and not capture._distributed
+            and (slot.grad() is not grad or slot.grad_version != grad._version)
+        )
+        statistics = slot.statistics = {}
+        capture._staging.append(slot)
+    calls = slot.calls
+    previous = capture.committed.get(layer)
+    kept = previous is not None and (previous.direct or not slot.after_reset)
+    new = call not in calls and not (kept and call in previous.calls)
+    try:
+        if torch.is_autocast_enabled(grad_output.device.type):
+            counts = capture._accumulate(layer, layer_input, grad_output, weight, statistics, new)
+        else:  # as _accumulate, one call less
+            accumulate = capture._owner._accumulate_statistics
+            counts = accumulate(layer, layer_input, grad_output, weight, statistics, new)
+    except BaseException:
+        # the pass fails (its end callback will not run): it stages nothing more, and
+        # what it staged must not wait for a later pass's commit
+        capture._end_pass()
+        raise
+    if counts and new:
+        calls[call] = weight
 
 
 def _input(args: tuple, kwargs: dict) -> Tensor:
@@ -532,16 +521,43 @@ def _input(args: tuple, kwargs: dict) -> Tensor:
 
 class _AccumulatedHook(_InertCopies):
     """The post-accumulate-grad hook of a layer's weight: commits what the pass staged
-    (:meth:`CurvatureCapture._on_accumulated`). It holds the capture weakly and does
-    nothing once it is gone (nor in a copy of the model)."""
+    into the capture's ``committed``. It holds the capture weakly and does nothing once
+    it is gone (nor in a copy of the model)."""
 
     def __init__(self, ref, slot: _LayerSlot) -> None:
         self._ref, self._slot = ref, slot
 
     def __call__(self, weight: Tensor) -> None:
         capture = self._ref()
-        if capture is not None:
-            capture._on_accumulated(self._slot, weight.grad)
+        if capture is None:
+            return
+        # the gradient this pass leaves (also one without statistics of the layer: a
+        # weight in an L2 term), against which the next pass tells a reset
+        slot, grad = self._slot, weight.grad
+        slot.grad, slot.grad_version = weakref.ref(grad), grad._version
+        slot.generation = capture._generation
+        statistics = slot.statistics
+        if statistics is None:
+            return
+        slot.statistics = None
+        layer = slot.layer
+        committed = capture.committed
+        previous = committed.get(layer)
+        if previous is not None and slot.after_reset and not previous.direct:
+            del committed[layer]  # the statistics before the reset go with the gradient
+            previous = None
+        if previous is None:
+            previous = committed[layer] = slot.entry
+            previous.statistics, previous.terms, previous.direct = statistics, 0.0, False
+            previous.calls.clear()
+        else:
+            merge_statistics(previous.statistics, statistics)
+        counted = previous.calls
+        for call, w in slot.calls.items():
+            if call not in counted:
+                counted.add(call)
+                previous.terms += w
+        slot.calls.clear()
 
 
 class _InertHook:

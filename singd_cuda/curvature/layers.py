@@ -462,7 +462,15 @@ class SquareSums:
 
     def _resolve(self, x: Tensor) -> None:
         self._device_type = x.device.type
-        self._reduce = ops.col_sum_squares_for(self._device_type)
+        reduce = ops.col_sum_squares_for(self._device_type)
+        # the fused op's C++ entry, which its OpOverload.__call__ (a Python call) forwards
+        # to: the same kernel (unless a Python dispatcher serves the op)
+        if (
+            isinstance(reduce, torch._ops.OpOverload)
+            and getattr(reduce, "_pyobj_dispatcher", None) is None
+        ):
+            reduce = reduce._op
+        self._reduce = reduce
 
     def inputs(self, x: Tensor, dtype: torch.dtype, weight: float = 1.0) -> Tensor:
         """diag(aᵀa) (d_K, the bias entry included) in ``dtype``, a carrying 1/√N, times

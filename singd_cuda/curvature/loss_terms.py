@@ -66,20 +66,27 @@ class LossTermCounter:
 
     def count(
         self, layer: Layer, output: Tensor, loss_average: str | None, batch_dim: int | None, capture
-    ) -> int:
-        """The loss terms ``output`` covers; may set ``capture.model_batch``."""
+    ) -> tuple[int, bool | None]:
+        """(the loss terms ``output`` covers, whether a call of the same key counts the
+        model input's dimension 0); may set ``capture.model_batch``. The key is the layer,
+        the output's shape, ``loss_average``, ``batch_dim`` and ``capture.model_batch``
+        before the call: a call of the same key counts the same (and, when the second
+        field is True and ``capture.batch_from_input``, sets ``capture.counted_on_input``),
+        except where the second field is None (a layer of a sequence-first transformer
+        module without ``batch_dim``: it says the model's batch, counted anew at every
+        call)."""
         key = (layer, output.shape, loss_average, batch_dim, capture.model_batch)
         known = self._counts.get(key)
         if known is None:
             terms, on_input = self._count(layer, output, loss_average, batch_dim, capture)
             if layer in self._sequence_first and batch_dim is None:
-                return terms  # it says the model's batch: counted anew at every call
+                return terms, None
             if len(self._counts) > 4096:  # many shapes (e.g. every sequence length)
                 self._counts.clear()
             known = self._counts[key] = (terms, on_input)
         if known[1] and capture.batch_from_input:
             capture.counted_on_input = True
-        return known[0]
+        return known
 
     def _count(
         self, layer: Layer, output: Tensor, loss_average: str | None, batch_dim: int | None, capture

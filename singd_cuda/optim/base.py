@@ -217,6 +217,8 @@ class KroneckerOptimizer(Optimizer):
         }
         self._square_sums = {layer: SquareSums(layer) for layer in self._layers}
         self._wants: dict[int, tuple] = {}  # group index -> (step, T, wants statistics)
+        self._call_plans: dict[Layer, tuple] = {}  # what decided a layer's last count
+        self._statistics_plans: dict[Layer, tuple] = {}  # how its statistics accumulate
         in_layers = {id(p) for layer in self._layers + self._norm_layers for p in layer.params}
         self._fallback_params = [
             p for g in self.param_groups for p in g["params"] if id(p) not in in_layers
@@ -298,6 +300,51 @@ class KroneckerOptimizer(Optimizer):
             known = self._wants[index] = (step, period, self._group_wants_statistics(group))
         return known[2]
 
+    def _layer_call(self, layer: Layer, output: Tensor) -> int:
+        """w of a grad-enabled call of ``layer`` (the loss terms its output covers,
+        :mod:`singd_cuda.curvature.loss_terms`), -1 when it takes no statistics on this
+        step. Whether the group takes statistics is decided once per step and ``T``
+        (:meth:`_wants_statistics`); what decided the layer's last count is kept (the
+        group, ``loss_average``, ``batch_dim``, the output's shape and the model's batch),
+        and a call equal on all of them is answered from it: in steady state a layer call
+        makes no Python call here."""
+        index = self._layer_group[layer]
+        group = self.param_groups[index]
+        known = self._wants.get(index)  # as _wants_statistics, inline
+        if known is None or known[0] != group["step"] or known[1] is not group["T"]:
+            wants = self._wants_statistics(layer)
+        else:
+            wants = known[2]
+        if not wants:
+            return -1
+        capture = self._capture
+        plan = self._call_plans.get(layer)
+        if (
+            plan is None
+            or plan[0] is not group
+            or plan[1] is None
+            or plan[2] != group["loss_average"]
+            or plan[3] != group["batch_dim"]
+            or plan[4] != output.shape
+            or plan[5] != capture.model_batch
+        ):
+            return self._plan_layer_call(layer, group, output)
+        if plan[1] and capture.batch_from_input:  # as LossTermCounter.count
+            capture.counted_on_input = True
+        return plan[6]
+
+    def _plan_layer_call(self, layer: Layer, group: dict, output: Tensor) -> int:
+        """The loss terms of a call of ``layer`` (:meth:`_layer_call`), counted in full;
+        keeps what decided them."""
+        loss_average, batch_dim = group["loss_average"], group["batch_dim"]
+        model_batch = self._capture.model_batch  # before the count (which may set it)
+        terms, on_input = self._counter.count(layer, output, loss_average, batch_dim, self._capture)
+        terms = int(terms)
+        self._call_plans[layer] = (
+            group, on_input, loss_average, batch_dim, output.shape, model_batch, terms,
+        )  # fmt: skip
+        return terms
+
     def _group_wants_statistics(self, group: dict) -> bool:
         return group["step"] % self.update_period(group) == 0
 
@@ -312,13 +359,6 @@ class KroneckerOptimizer(Optimizer):
         """Validate edited hyperparameters before the capture reads them."""
         self._seen_forward = True
         hyperparameters.check_step(self, scheduled=False)
-
-    def _loss_terms(self, layer: Layer, output: Tensor) -> int:
-        """The loss terms one call's output covers (:mod:`singd_cuda.curvature.loss_terms`)."""
-        group = self.param_groups[self._layer_group[layer]]
-        return self._counter.count(
-            layer, output, group["loss_average"], group["batch_dim"], self._capture
-        )
 
     def _call_batch(self, batch: int) -> None:
         """A module that knows its batch dimension was called (the counting rule's model
@@ -337,7 +377,33 @@ class KroneckerOptimizer(Optimizer):
         """One call's statistics into ``into``: the input side (a carries 1/√N) weighted by
         ``weight`` (left out when ``with_input`` is False: a later backward pass through
         a call counted already), the output side from the raw output gradient (g without
-        √L). True: the call counts."""
+        √L). True: the call counts.
+
+        A layer's path (in one process, without ``kfac_approx="reduce"``) is decided
+        once and kept while the group, its ``structures`` and ``kfac_approx``, the
+        weight's dtype and the optimizer's state are the same objects (the rules decide
+        ``rule_for`` and ``diagonal_statistics`` from ``structures``): then a call takes
+        a and g (or their two square sums) and the rule's ``accumulate`` (or
+        ``accumulate_diagonal``) only."""
+        plan = self._statistics_plans.get(layer)
+        if plan is not None and with_input:
+            group, structures, kfac_approx, weight_dtype, states, state, rule, dtype, sums = plan
+            if (
+                self.param_groups[self._layer_group[layer]] is group
+                and group.get("structures") is structures
+                and group["kfac_approx"] is kfac_approx
+                and layer.weight.dtype is weight_dtype
+                and self.state is states
+            ):
+                if sums is None:  # the rows of a and g
+                    a = input_matrix(layer, layer_input, dtype).mul_(math.sqrt(weight))
+                    g = grad_output_matrix(layer, grad_output, dtype)
+                    rule.accumulate(layer, group, state, into, a, g)
+                    return True
+                h = sums.inputs(layer_input, dtype, weight)
+                s = sums.outputs(grad_output, dtype)
+                rule.accumulate_diagonal(layer, group, state, into, h, s)
+                return True
         group = self.param_groups[self._layer_group[layer]]
         dtype = accumulation_dtype(layer.weight.dtype)
         if layer in self._norm_set:
@@ -353,7 +419,8 @@ class KroneckerOptimizer(Optimizer):
             return True
         rule = self.rule_for(group)
         device = grad_output.device
-        if group["kfac_approx"] == "reduce":  # one row per sample (docs/concepts/curvature.md)
+        reduced = group["kfac_approx"] == "reduce"
+        if reduced:  # one row per sample (docs/concepts/curvature.md)
             batch_dim = self._counter.norm_batch_dim(layer, group["batch_dim"])
             a = reduced_input_matrix(layer, layer_input, grad_output, dtype, batch_dim)
             g = reduced_grad_output_matrix(layer, grad_output, dtype, batch_dim)
@@ -371,6 +438,7 @@ class KroneckerOptimizer(Optimizer):
                 h = sums.inputs(layer_input, dtype, weight)
             s = g.square().sum(0) if g is not None else sums.outputs(grad_output, dtype)
             rule.accumulate_diagonal(layer, group, self._layer_state(layer, group), into, h, s)
+            self._plan_statistics(layer, group, reduced, rule, dtype, sums)
             return True
         if not with_input:  # no rows: the rules add nothing to the input side
             a = torch.zeros(0, layer.dim_in, dtype=dtype, device=device)
@@ -381,7 +449,18 @@ class KroneckerOptimizer(Optimizer):
         if g is None:
             g = grad_output_matrix(layer, grad_output, dtype)
         self._accumulate(layer, group, into, a, g)
+        self._plan_statistics(layer, group, reduced, rule, dtype, None)
         return True
+
+    def _plan_statistics(self, layer, group, reduced: bool, rule, dtype, sums) -> None:
+        """Keep how ``layer``'s statistics accumulate (:meth:`_accumulate_statistics`) in
+        one process without ``kfac_approx="reduce"``: from the rows of a and g (``sums``
+        None) or from their square sums (the layer's :class:`SquareSums`)."""
+        if self._sync is None and not reduced:
+            self._statistics_plans[layer] = (
+                group, group.get("structures"), group["kfac_approx"], layer.weight.dtype,
+                self.state, self._layer_state(layer, group), rule, dtype, sums,
+            )  # fmt: skip
 
     def _layer_state(self, layer: Layer, group: dict) -> dict:
         """The weight's state; at the layer's first statistics its factors are created
@@ -406,6 +485,7 @@ class KroneckerOptimizer(Optimizer):
 
     def _restore_created(self, layers: Iterable[Layer]) -> None:
         for layer in layers:
+            self._statistics_plans.pop(layer, None)  # it holds the state replaced here
             for param, previous in self._created.pop(layer, ()):
                 if previous:
                     self.state[param] = previous

@@ -117,8 +117,9 @@ class SingdRule(LayerRule):
 
     def accumulate(self, layer, group, state, pending, a: Tensor, g: Tensor) -> None:
         """H_K += Π̂(Kᵀ aᵀa K) and H_C += Π̂(Cᵀ gᵀg C), as Gram matrices of aK and gC."""
-        factors = self._factors(layer, group, state)
-        K, C = factors["K"], factors["C"]
+        S_K, S_C = self._classes(group)  # K and C alone (not _factors: the momenta too)
+        K = S_K.from_parts(layer.dim_in, state["K"])
+        C = S_C.from_parts(layer.dim_out, state["C"])
         H_K = type(K).project_gram(K.rmatmul(a.T).T)
         H_C = type(C).project_gram(C.rmatmul(g.T).T)
         if "in" in pending:
@@ -141,8 +142,11 @@ class SingdRule(LayerRule):
     def accumulate_diagonal(self, layer, group, state, pending, h: Tensor, s: Tensor) -> None:
         """H_K = k² ⊙ diag(aᵀa), H_C = c² ⊙ diag(gᵀg): Π̂(Kᵀ aᵀa K) for diagonal K."""
         squares = self._squares.get(layer, (state["C"]["diag"], state["K"]["diag"]), _squares)
-        H_K = Diagonal(h.shape[0], diag=h.mul_(squares.k2.to(h.dtype)))  # d_K
-        H_C = Diagonal(s.shape[0], diag=s.mul_(squares.c2.to(s.dtype)))  # d_C
+        # Diagonal(d, diag=...) without its __init__ (which checks the part names: two
+        # Python calls a matrix, on every layer call)
+        H_K, H_C = object.__new__(Diagonal), object.__new__(Diagonal)
+        H_K.dim, H_K.parts = h.shape[0], {"diag": h.mul_(squares.k2.to(h.dtype))}  # d_K
+        H_C.dim, H_C.parts = s.shape[0], {"diag": s.mul_(squares.c2.to(s.dtype))}  # d_C
         if "in" in pending:
             pending["in"].add_(H_K)
             pending["out"].add_(H_C)
