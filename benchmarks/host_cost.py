@@ -25,8 +25,9 @@ output-gradient hook (``register_hook`` on the output) writing the other side's,
 s' x h' + damping, momentum, the bias-corrected update). Every row is read against AdamW
 and against this floor. ``floor + K-FAC's inversions`` (:class:`InvertingFloor`) adds the
 two damped inversions per layer that K-FAC makes when it inverts every step, one
-``torch.linalg.inv`` per matrix as K-FAC calls them: the bound for that row. Per layer per iteration (whole iterations, forward + backward + step,
-over a few steady-state iterations, a whole number of T periods): Python and C function
+``torch.linalg.inv`` per matrix as K-FAC calls them: the bound for that row. Per layer
+per iteration (whole iterations, forward + backward + step, over a few steady-state
+iterations, a whole number of T periods): Python and C function
 calls (``sys.setprofile``'s 'call' and 'c_call' events, C being builtins such as
 ``list.append`` and torch's bindings; on a CPU the backward runs in the calling thread, so
 its hooks are counted); ``ops``, dispatcher ops (a ``TorchDispatchMode`` counting the ops
