@@ -203,7 +203,8 @@ class FactorUndo:
         self._flags = flags
         self._vectors: dict[int, Tensor] = {}
         self._layout: _Layout | None = None
-        # what save() saved, until restore or clear: (matrix clones, host values)
+        # what save() saved, until restore or clear: (one stack per run of matrices, host
+        # values); a stack's rows are viewed only to restore (a view is a tracked object)
         self._saved: tuple[list[Tensor], list[Any]] | None = None
 
     def save(self, states: list[dict]) -> None:
@@ -216,8 +217,8 @@ class FactorUndo:
         if layout.vectors:
             torch._foreach_copy_(layout.buffers, layout.vectors)
         matrices = layout.matrices
-        clones = [copy for a, b in layout.runs for copy in torch.stack(matrices[a:b]).unbind(0)]
-        self._saved = clones, [container[key] for container, key in layout.values]
+        stacks = [torch.stack(matrices[a:b]) for a, b in layout.runs]
+        self._saved = stacks, [container[key] for container, key in layout.values]
 
     def _buffer(self, value: Tensor) -> Tensor:
         buffer = self._vectors.get(id(value))
@@ -264,7 +265,8 @@ class FactorUndo:
         host values are set back too."""
         if self._saved is None:
             return
-        layout, (clones, values) = self._layout, self._saved
+        layout, (stacks, values) = self._layout, self._saved
+        clones = [copy for stack in stacks for copy in stack.unbind(0)]
         for (i, path), saved in zip(layout.vector_paths, layout.buffers, strict=True):
             write(saved, reduce(getitem, path, layout.states[i]))
         for (i, path), saved in zip(layout.matrix_paths, clones, strict=True):

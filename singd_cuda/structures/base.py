@@ -19,6 +19,7 @@ is fixed at zero, and averages tied entries (Toeplitz). It preserves the trace.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from itertools import repeat
 from typing import ClassVar
 
 import torch
@@ -45,7 +46,9 @@ def store_(part: Tensor, value: Tensor) -> None:
 
 def upcast(tensor: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """``tensor`` in the accumulation dtype of its own dtype (or of ``dtype``)."""
-    return tensor.to(accumulation_dtype(tensor.dtype if dtype is None else dtype))
+    dtype = tensor.dtype if dtype is None else dtype
+    # accumulation_dtype of one dtype, inline: this runs several times per layer and pass
+    return tensor.to(torch.float32 if dtype in HALF_DTYPES else dtype)
 
 
 class StructuredMatrix(ABC):
@@ -72,12 +75,12 @@ class StructuredMatrix(ABC):
             StructuredMatrix._dense = cls
 
     def __init__(self, dim: int, **parts: Tensor) -> None:
-        if set(parts) != set(self.part_names):
-            raise ValueError(
-                f"{type(self).__name__} needs parts {self.part_names}, got {tuple(parts)}"
-            )
+        names = self.part_names
+        if len(parts) != len(names) or not parts.keys() >= set(names):
+            raise ValueError(f"{type(self).__name__} needs parts {names}, got {tuple(parts)}")
         self.dim = dim
-        self.parts: dict[str, Tensor] = {name: parts[name] for name in self.part_names}
+        # in part_names' order, by C calls alone (a structure is made per layer and pass)
+        self.parts: dict[str, Tensor] = dict(zip(names, map(parts.__getitem__, names), strict=True))
 
     # ------------------------------------------------------------------ binding
     @classmethod
@@ -108,8 +111,9 @@ class StructuredMatrix(ABC):
         """The parameters this class is bound to (None for an unbound family)."""
         if not cls.parameters:
             return ()
-        values = tuple(getattr(cls, p, None) for p in cls.parameters)
-        return None if any(v is None for v in values) else values
+        params = cls.parameters  # (C calls alone: layout asks this per layer and pass)
+        values = tuple(map(getattr, repeat(cls, len(params)), params, repeat(None)))
+        return None if None in values else values
 
     @classmethod
     def spec(cls) -> str:
