@@ -484,7 +484,10 @@ class SquareSums:
         else:
             h, rows = self._kind.input_sum_squares(self._module, x)
         scale = 1.0 / max(rows, 1)
-        h = h.to(dtype).mul_(scale).mul_(weight)
+        # a no-op .to and a product by exactly 1 still cost a dispatch each: left out
+        h = (h if h.dtype == dtype else h.to(dtype)).mul_(scale)
+        if weight != 1.0:
+            h.mul_(weight)
         if not self._bias:
             return h
         # the bias entry, N, through the same two multiplies (so rounded alike), made
@@ -505,8 +508,10 @@ class SquareSums:
         if self._linear:
             if grad.device.type != self._device_type:
                 self._resolve(grad)
-            return self._reduce(grad, -1).to(dtype)
-        return self._kind.output_sum_squares(self._module, grad).to(dtype)
+            s = self._reduce(grad, -1)
+        else:
+            s = self._kind.output_sum_squares(self._module, grad)
+        return s if s.dtype == dtype else s.to(dtype)
 
 
 def input_sum_squares(layer: Layer, x: Tensor, dtype: torch.dtype) -> Tensor:
