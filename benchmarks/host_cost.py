@@ -23,7 +23,11 @@ forward hook writing the input's column sums of squares into a preallocated buff
 output-gradient hook (``register_hook`` on the output) writing the other side's, and a
 ``torch._foreach_`` step doing AdaFisher's diagonal work (EMAs, min-max normalisation,
 s' x h' + damping, momentum, the bias-corrected update). Every row is read against AdamW
-and against this floor. ``floor + K-FAC's inversions`` (:class:`InvertingFloor`) adds the
+and against this floor. ``floor + the capture contract`` (:class:`ContractFloor`) adds
+the hooks the library's capture contract needs and nothing else: a post-accumulate-grad
+hook per weight that commits the staged row and a callback per backward pass that drops
+the uncommitted ones; the same ops, so it prices the contract's Python hooks alone.
+``floor + K-FAC's inversions`` (:class:`InvertingFloor`) adds the
 two damped inversions per layer that K-FAC makes when it inverts every step, one
 ``torch.linalg.inv`` per matrix as K-FAC calls them: the bound for that row. Per layer
 per iteration (whole iterations, forward + backward + step, over a few steady-state
@@ -84,6 +88,10 @@ def optimizers() -> dict[str, tuple[int, Callable[[nn.Module], torch.optim.Optim
     return {
         "AdamW (foreach)": (1, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=True)),
         "floor (hooks into buffers + foreach step)": (1, lambda m: Floor(m, lr=1e-4)),
+        "floor + the capture contract (commit hooks, end-of-pass callback)": (
+            1,
+            lambda m: ContractFloor(m, lr=1e-4),
+        ),
         "floor + K-FAC's inversions (2 per layer, one torch.linalg.inv each)": (
             1,
             lambda m: InvertingFloor(m, lr=1e-4),
@@ -187,6 +195,57 @@ class InvertingFloor(Floor):
         super().step()
         for factor, inverses in zip(self.factors, self.inverses, strict=True):
             torch._foreach_copy_(inverses, list(map(torch.linalg.inv, factor)))
+
+
+class ContractFloor(Floor):
+    """The floor plus what the capture contract (README, "What counts as curvature") adds
+    and nothing else: the output-gradient hook marks its row staged, each weight's
+    post-accumulate-grad hook commits it (a statistic counts only when its pass
+    accumulates into the weight's ``.grad``), and a callback queued once per backward
+    pass drops the rows staged and not committed (none in steady state). The same ops as
+    the floor: the Python hooks are the difference, the bound for the library's rows,
+    whose capture keeps this contract.
+    """
+
+    def __init__(self, model, lr, **kwargs):
+        self.staged = []  # rows of s_new written by this pass and not committed
+        self.queued = False
+        super().__init__(model, lr, **kwargs)
+        layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
+        for i, layer in enumerate(layers):
+            layer.weight.register_post_accumulate_grad_hook(self._commit_hook(i))
+
+    def _forward_hook(self, in_row, out_row):
+        index = len(self.staged)
+        self.staged.append(False)
+
+        def grad_hook(g):
+            torch.sum(g.square(), 0, out=out_row)
+            self.staged[index] = True
+            if not self.queued:
+                self.queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
+
+        def hook(module, inputs, output):
+            x = inputs[0].detach()
+            self.n = x.shape[0]
+            torch.sum(x.square(), 0, out=in_row)
+            output.register_hook(grad_hook)
+
+        return hook
+
+    def _commit_hook(self, index):
+        def commit(weight):
+            self.staged[index] = False
+
+        return commit
+
+    def _end_pass(self):
+        self.queued = False
+        for index, staged in enumerate(self.staged):
+            if staged:  # its weight's .grad did not accumulate: the row counts for nothing
+                self.s_new[index].zero_()
+                self.staged[index] = False
 
 
 class _CountOps(TorchDispatchMode):

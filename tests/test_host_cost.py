@@ -44,5 +44,21 @@ def test_table_has_every_optimizer(host_cost, tmp_path):
     adamw = next(line for line in text.splitlines() if line.startswith("| AdamW (foreach) |"))
     assert " | 1.00x | " in adamw  # its own ratio; the floor's column beside it is timed
     assert "| after the read µs |" in text
-    # AdamW, the two floors and the two nonfinite='device' rows read none
-    assert text.count(" | — |") == 5
+    # AdamW, the three floors and the two nonfinite='device' rows read none
+    assert text.count(" | — |") == 6
+
+
+def test_contract_floor_counts_only_passes_that_reach_the_weights(host_cost):
+    """The contract floor's output sums count a backward pass only when it accumulates
+    into the weights' ``.grad``: ``torch.autograd.grad`` leaves none, ``backward`` its own."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+    floor = host_cost.ContractFloor(model, lr=1e-3)
+    x = torch.randn(3, 4, requires_grad=True)
+    torch.autograd.grad(model(x).square().sum(), x)  # no .grad: nothing counts
+    assert not floor.s_new.any() and not any(floor.staged)
+    out = model(x)
+    out.retain_grad()
+    out.square().sum().backward()
+    assert torch.equal(floor.s_new[1], out.grad.square().sum(0))
+    assert not any(floor.staged)
