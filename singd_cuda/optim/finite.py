@@ -21,12 +21,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..structures.base import StructuredMatrix
+from ..structures.base import PLAIN, StructuredMatrix
 from . import warm_start
 
 # what tensors that one fused check takes share
 _GROUP = operator.attrgetter("device", "dtype", "is_sparse")
-_PLAIN = {Tensor}
 
 
 class FiniteCheck:
@@ -158,9 +157,9 @@ def statistics_tensors(pending: dict[Any, dict]) -> list[Tensor]:
     plain tensors (a list per layer, no recursion)."""
     found = [t for statistics in pending.values() for t in statistics.values()]
     kinds = set(map(type, found))
-    if kinds <= _PLAIN:
+    if kinds <= PLAIN:
         return [t for t in found if t.is_floating_point()]
-    if all(issubclass(kind, StructuredMatrix) for kind in kinds - _PLAIN):  # one call a type
+    if all(issubclass(kind, StructuredMatrix) for kind in kinds - PLAIN):  # one call a type
         parts = [t.parts.values() if type(t) is not Tensor else (t,) for t in found]
         return [t for t in itertools.chain.from_iterable(parts) if t.is_floating_point()]
     return tensors_of(pending)

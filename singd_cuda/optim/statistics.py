@@ -16,11 +16,10 @@ import torch
 from torch import Tensor
 
 from ..curvature.layers import Layer
-from ..structures.base import HALF_DTYPES
+from ..structures.base import ACCUMULATES_IN, HALF_DTYPES, PLAIN
 
 _DEVICE_DTYPE = operator.attrgetter("device", "dtype")
 _DTYPE = operator.attrgetter("dtype")
-_PLAIN = {Tensor}
 
 
 class StatisticsNormaliser:
@@ -60,7 +59,7 @@ class StatisticsNormaliser:
         held in their accumulation dtype (one call, no grouping, when all are plain tensors
         of one device and dtype), by a 0-dim tensor kept between steps (a Python scalar
         would allocate one per call; the loss scale stays on the device, unread)."""
-        if set(map(type, statistics)) == _PLAIN:  # the common case
+        if set(map(type, statistics)) == PLAIN:  # the common case
             keys = list(map(_DEVICE_DTYPE, statistics))
             if keys.count(keys[0]) == len(keys) and keys[0][1] not in HALF_DTYPES:
                 torch._foreach_mul_(statistics, self._scalar(keys[0], factor, loss_scale))
@@ -69,8 +68,7 @@ class StatisticsNormaliser:
         for statistic in statistics:
             structured = getattr(statistic, "parts", None)  # a StructuredMatrix's parts
             parts = [statistic] if structured is None else list(structured.values())
-            dtype = parts[0].dtype  # its accumulation dtype, inline (a call per statistic)
-            dtype = torch.float32 if dtype in HALF_DTYPES else dtype
+            dtype = ACCUMULATES_IN.get(parts[0].dtype, parts[0].dtype)
             if set(map(_DTYPE, parts)) == {dtype}:
                 fused.setdefault((parts[0].device, dtype), []).extend(parts)
             else:  # low-precision parts: their own rounding on store

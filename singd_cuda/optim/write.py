@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from .. import ops
-from ..structures.base import HALF_DTYPES, upcast
+from ..structures.base import ACCUMULATES_IN, upcast
 
 
 def unscaled(grad: Tensor, grad_scale: Tensor | None, maximize: bool = False) -> Tensor:
@@ -126,6 +126,6 @@ def _trained(params: list[Tensor], directions: list, states: list[dict]) -> list
         if p.grad is not None:
             # upcast(d, p.dtype), inline: two Python calls and a no-op .to's dispatch
             # saved per parameter where d is in that dtype already (the common case)
-            dtype = torch.float32 if p.dtype in HALF_DTYPES else p.dtype
+            dtype = ACCUMULATES_IN.get(p.dtype, p.dtype)
             trained.append((p, d if d.dtype == dtype else d.to(dtype), s))
     return trained

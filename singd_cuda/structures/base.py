@@ -26,6 +26,11 @@ import torch
 from torch import Tensor
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
+# dtype -> the dtype arithmetic on it runs in (``ACCUMULATES_IN.get(dtype, dtype)``: one
+# C call where a hot path needs the accumulation dtype of a single dtype)
+ACCUMULATES_IN = dict.fromkeys(HALF_DTYPES, torch.float32)
+# the types of a list of statistics that are all plain tensors (no structured matrix)
+PLAIN = frozenset({Tensor})
 SMALL_DENSE_DIM = 128  # up to this dimension a dense d x d temporary is cheap
 
 
@@ -34,7 +39,7 @@ def accumulation_dtype(*dtypes: torch.dtype) -> torch.dtype:
     widest = dtypes[0]
     for dtype in dtypes[1:]:
         widest = torch.promote_types(widest, dtype)
-    return torch.float32 if widest in HALF_DTYPES else widest
+    return ACCUMULATES_IN.get(widest, widest)
 
 
 def store_(part: Tensor, value: Tensor) -> None:
@@ -47,8 +52,7 @@ def store_(part: Tensor, value: Tensor) -> None:
 def upcast(tensor: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """``tensor`` in the accumulation dtype of its own dtype (or of ``dtype``)."""
     dtype = tensor.dtype if dtype is None else dtype
-    # accumulation_dtype of one dtype, inline: this runs several times per layer and pass
-    return tensor.to(torch.float32 if dtype in HALF_DTYPES else dtype)
+    return tensor.to(ACCUMULATES_IN.get(dtype, dtype))
 
 
 class StructuredMatrix(ABC):
