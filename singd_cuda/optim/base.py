@@ -56,6 +56,7 @@ from .finite import (
     GRADIENT,
     SCALER,
     STATISTICS,
+    STATISTICS_OVERFLOW,
     FactorUndo,
     FiniteCheck,
     LateVerdict,
@@ -79,6 +80,8 @@ class KroneckerOptimizer(Optimizer):
     """Base class; subclasses provide defaults and pick a :class:`LayerRule` per group."""
 
     _step_supports_amp_scaling = True  # GradScaler hands us grad_scale / found_inf
+    # what overflows when a step's statistics are non-finite (its skip message says it)
+    statistics_overflow: ClassVar[str] = STATISTICS_OVERFLOW
     common_defaults: ClassVar[dict[str, Any]] = dict(
         loss_average="batch",
         batch_dim=None,
@@ -632,7 +635,7 @@ class KroneckerOptimizer(Optimizer):
             reason = self._verdict()
             if reason is not None:
                 self._undo.restore()
-                return self._skip(skip_message(type(self).__name__, reason))
+                return self._skip(self._skip_message(reason))
             self._undo.clear()
         if waiting:
             self._warn_waiting(waiting)
@@ -704,11 +707,15 @@ class KroneckerOptimizer(Optimizer):
         self._late.stage(flags)
         return flags.amax(0, keepdim=True)
 
+    def _skip_message(self, reason: int) -> str:
+        """The warning of a step skipped for ``reason`` (:func:`.finite.skip_message`)."""
+        return skip_message(type(self).__name__, reason, self.statistics_overflow)
+
     def _report_late(self) -> None:
         """Warn about an earlier step skipped on the device, once its flags have reached
         the host (no synchronisation: a copy still in flight is looked at next step)."""
         for reason in self._late.landed():
-            message = skip_message(type(self).__name__, reason)
+            message = self._skip_message(reason)
             if not message:
                 continue  # the GradScaler's routine skip
             warnings.warn(

@@ -354,9 +354,16 @@ class _Layout:
 SCALER, GRADIENT, STATISTICS, FACTORS = range(4)
 
 
-def skip_message(optimizer: str, reason: int) -> str:
+STATISTICS_OVERFLOW = "an overflow in the layer inputs or output gradients"
+
+
+def skip_message(
+    optimizer: str, reason: int, statistics_overflow: str = STATISTICS_OVERFLOW
+) -> str:
     """The warning (or error) of a step of ``optimizer`` skipped for ``reason``; '' for
-    the GradScaler's routine skip (it skips and backs off its scale itself)."""
+    the GradScaler's routine skip (it skips and backs off its scale itself).
+    ``statistics_overflow``: what overflows when the statistics are non-finite (the
+    optimizer's :attr:`~.base.KroneckerOptimizer.statistics_overflow`)."""
     if reason == SCALER:
         return ""
     if reason == GRADIENT:
@@ -366,9 +373,9 @@ def skip_message(optimizer: str, reason: int) -> str:
         )
     if reason == STATISTICS:
         return (
-            f"{optimizer}: non-finite curvature statistics (an overflow in the layer inputs "
-            "or output gradients), step skipped and no state changed; use a GradScaler "
-            "or float32 statistics (nonfinite='raise' to raise)"
+            f"{optimizer}: non-finite curvature statistics ({statistics_overflow}), step "
+            "skipped and no state changed; use a GradScaler or float32 statistics "
+            "(nonfinite='raise' to raise)"
         )
     return (
         f"{optimizer}: a factor update produced non-finite values (or a warm start a "

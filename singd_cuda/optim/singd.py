@@ -686,6 +686,14 @@ class SINGD(KroneckerOptimizer):
             raises TypeError.
     """
 
+    # its statistics are products with the factors (H_K = Kᵀ aᵀa K): a factor grown
+    # large overflows them as well
+    statistics_overflow = (
+        "an overflow in the layer inputs or output gradients, or in their product with "
+        "a factor K or C grown large: normalize_lr_cov=True or a smaller lr_cov bounds "
+        "the factor updates"
+    )
+
     def __init__(
         self,
         model: nn.Module,

@@ -81,6 +81,30 @@ def test_overflowing_statistics_raise_when_asked(name):
         step_on(model, opt, x.float() * 1e19, y)
 
 
+@pytest.mark.parametrize("name", ["singd-dense", "ikfac"])
+def test_a_grown_factor_is_named_when_the_statistics_overflow(name):
+    """SINGD's statistics are products with its factors (H_K = Kᵀ aᵀa K): with ordinary
+    inputs, a factor K grown to 1e20 overflows them, and the message names that cause and
+    its fix (the LLaMA's IKFAC at lr 1e-4 grew K to 4e18 in 85 steps this way)."""
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    opt = make_optimizer(name, model, nonfinite="raise")
+    (x, y), (x1, y1) = [(x.float(), y) for x, y in batches(2)]
+    step_on(model, opt, x, y)
+    for part in opt.state[model[0].weight]["K"].values():
+        part.mul_(1e20)
+    with pytest.raises(FloatingPointError, match="a factor K or C grown large: normalize_lr_cov"):
+        step_on(model, opt, x1, y1)
+
+
+def test_statistics_without_factors_name_the_inputs_alone():
+    model = overflowing_model()
+    opt = make_optimizer("kfac", model, nonfinite="raise")
+    x, y = batches(1)[0]
+    with pytest.raises(FloatingPointError) as raised:
+        step_on(model, opt, x.float() * 1e19, y)
+    assert "(an overflow in the layer inputs or output gradients)" in str(raised.value)
+
+
 @pytest.mark.parametrize(
     ("name", "scale"), [("singd-diagonal", 1e5), ("adafisher", 3e3), ("kfac", 3e3)]
 )
