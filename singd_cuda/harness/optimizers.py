@@ -251,7 +251,10 @@ def parse_variant(text: str) -> tuple[str, tuple[tuple[str, object], ...]]:
 
 
 def parse_value(text: str) -> object:
-    """A command-line value: an int, else a float, else the string itself."""
+    """A command-line value: True or False, else an int, else a float, else the string
+    itself."""
+    if text in ("True", "False"):
+        return text == "True"
     for kind in (int, float):
         try:
             return kind(text)

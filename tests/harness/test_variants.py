@@ -18,6 +18,14 @@ CPU = torch.device("cpu")
 
 def test_a_variant_parses_labels_and_builds_with_its_options():
     assert parse_variant("singd+graft=adam+T=5") == ("singd", (("graft", "adam"), ("T", 5)))
+    assert parse_variant("ikfac+normalize_lr_cov=True+warm_start=False") == (
+        "ikfac",
+        (("normalize_lr_cov", True), ("warm_start", False)),
+    )
+    (flagged,) = expand(["ikfac+normalize_lr_cov=True"], ["dense"])
+    assert flagged.label == "ikfac+normalize_lr_cov=True"
+    flagged_group = flagged.build(torch.nn.Sequential(torch.nn.Linear(4, 3)), {"lr": 1e-3})
+    assert flagged_group.param_groups[0]["normalize_lr_cov"] is True
     (choice,) = expand(["singd+graft=adam+T=5"], ["diagonal"])
     assert choice.label == "singd:diagonal+graft=adam+T=5"
     assert choice.variant == "singd+graft=adam+T=5"
