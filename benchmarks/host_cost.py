@@ -146,8 +146,7 @@ class Floor:
             layer.register_forward_hook(self._forward_hook(self.h_new[i, :d_in], self.s_new[i]))
 
     def _forward_hook(self, in_row, out_row):
-        def grad_hook(g):
-            torch.sum(g.square(), 0, out=out_row)
+        grad_hook = self._grad_hook(out_row)
 
         def hook(module, inputs, output):
             x = inputs[0].detach()
@@ -156,6 +155,12 @@ class Floor:
             output.register_hook(grad_hook)
 
         return hook
+
+    def _grad_hook(self, out_row):
+        def grad_hook(g):
+            torch.sum(g.square(), 0, out=out_row)
+
+        return grad_hook
 
     def _normalise(self, v, out):
         torch.aminmax(v, dim=1, keepdim=True, out=(self.low, self.span))
@@ -215,7 +220,7 @@ class ContractFloor(Floor):
         for i, layer in enumerate(layers):
             layer.weight.register_post_accumulate_grad_hook(self._commit_hook(i))
 
-    def _forward_hook(self, in_row, out_row):
+    def _grad_hook(self, out_row):
         index = len(self.staged)
         self.staged.append(False)
 
@@ -226,13 +231,7 @@ class ContractFloor(Floor):
                 self.queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
 
-        def hook(module, inputs, output):
-            x = inputs[0].detach()
-            self.n = x.shape[0]
-            torch.sum(x.square(), 0, out=in_row)
-            output.register_hook(grad_hook)
-
-        return hook
+        return grad_hook
 
     def _commit_hook(self, index):
         def commit(weight):
