@@ -50,6 +50,8 @@ RECORDS = {
     "host_cost.md": "host_cost.md",
     "host_cost_2026-12-02.md": "host_cost_2026-12-02.md",
     "host_cost_3ce7984.md": "host_cost_3ce7984.md",
+    "host_cost_182f0cd.md": "host_cost_182f0cd.md",
+    "capture_cost.md": "capture_cost.md",
     "models_iteration.md": "models_iteration.md",
     "models_iteration_3ce7984.md": "models_iteration_3ce7984.md",
     "defaults.md": "defaults.md",
