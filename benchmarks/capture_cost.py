@@ -1,6 +1,7 @@
 """Where AdaFisher's host time per layer goes, on the tiny model of ``host_cost.py``.
 
-64 x (Linear(16, 16) + Tanh), batch 8, one thread. Two measurements:
+Its ``build("tiny")``: 64 x (Linear(16, 16) + Tanh), batch 8, cross-entropy, one
+thread. Two measurements:
 
 - **Capture**: forward, backward and step timed separately (``time.perf_counter``), per
   layer, medians over interleaved iterations of four models: the plain model (no
@@ -32,32 +33,31 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from host_cost import MODELS, build
 
 from singd_cuda import AdaFisher
 from singd_cuda.curvature.layers import SquareSums
 
-LAYERS, WIDTH, BATCH = 64, 16, 8
-
-
-def tiny_model() -> nn.Sequential:
-    return nn.Sequential(*[m for _ in range(LAYERS) for m in (nn.Linear(WIDTH, WIDTH), nn.Tanh())])
-
-
-def _reduction_only(sums: SquareSums, x, dtype, weight=1.0):
-    """The input side as the reduction and the bias entry alone (a cached column)."""
-    if x.device.type != sums._device_type:
-        sums._resolve(x)
-    return torch.cat([sums._reduce(x, -1), x.new_zeros(1)])
+MODEL = "tiny"
+LAYERS, WIDTH, BATCH, _ = MODELS[MODEL]
 
 
 def _variants() -> dict[str, tuple[Callable, Callable]]:
     """name -> (SquareSums.inputs, SquareSums.outputs) while that variant runs."""
-    zeros_in, zeros_out = torch.zeros(WIDTH + 1), torch.zeros(WIDTH)
+    column, zeros_in, zeros_out = torch.zeros(1), torch.zeros(WIDTH + 1), torch.zeros(WIDTH)
+
+    def reduction_only(sums: SquareSums, x, dtype, weight=1.0):
+        """The input side as the reduction and the bias entry alone (a cached column)."""
+        if x.device.type != sums._device_type:
+            sums._resolve(x)
+        return torch.cat([sums._reduce(x, -1), column])
+
     return {
         "AdaFisher": (SquareSums.inputs, SquareSums.outputs),
-        "reduction only (no scalar multiplies)": (_reduction_only, SquareSums.outputs),
+        "reduction only (no scalar multiplies)": (reduction_only, SquareSums.outputs),
         "no square sums (cached zeros)": (
             lambda sums, x, dtype, weight=1.0: zeros_in.clone(),
             lambda sums, g, dtype: zeros_out.clone(),
@@ -71,7 +71,7 @@ def _phases(model, optimizer, x, y) -> tuple[float, float, float]:
     start = time.perf_counter()
     out = model(x)
     forward = time.perf_counter()
-    loss = F.mse_loss(out, y)
+    loss = F.cross_entropy(out, y)
     before_backward = time.perf_counter()
     loss.backward()
     backward = time.perf_counter()
@@ -88,10 +88,8 @@ def _phases(model, optimizer, x, y) -> tuple[float, float, float]:
 
 def capture(iterations: int) -> dict[str, tuple[float, float, float]]:
     """name -> median (forward, backward, step) µs per layer, the rows interleaved."""
-    torch.manual_seed(0)
-    x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
-    plain = tiny_model()
-    model = tiny_model()
+    plain, x, y = build(MODEL)
+    model, _, _ = build(MODEL)
     optimizer = AdaFisher(model, lr=1e-4)
     variants = _variants()
     kept = (SquareSums.inputs, SquareSums.outputs)
@@ -124,9 +122,7 @@ def capture(iterations: int) -> dict[str, tuple[float, float, float]]:
 def step_profile(steps: int) -> tuple[float, float, float, list[tuple[str, float, float]]]:
     """(unprofiled step µs/layer (median), profiled step total, its self time, top ops as
     (name, calls per step, self µs per layer))."""
-    torch.manual_seed(0)
-    x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
-    model = tiny_model()
+    model, x, y = build(MODEL)
     optimizer = AdaFisher(model, lr=1e-4)
     for _ in range(10):
         _phases(model, optimizer, x, y)
@@ -137,7 +133,7 @@ def step_profile(steps: int) -> tuple[float, float, float, list[tuple[str, float
             for _ in range(steps):
                 prof.toggle_collection_dynamic(False, [ProfilerActivity.CPU])
                 optimizer.zero_grad(set_to_none=True)
-                F.mse_loss(model(x), y).backward()
+                F.cross_entropy(model(x), y).backward()
                 prof.toggle_collection_dynamic(True, [ProfilerActivity.CPU])
                 optimizer.step()
     events = prof.key_averages()

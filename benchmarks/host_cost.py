@@ -127,7 +127,7 @@ class Floor:
     """
 
     def __init__(self, model, lr, beta=0.9, gamma=0.8, damping=1e-2):
-        layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
+        self.layers = layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
         d_out, d_in = layers[0].weight.shape
         assert all(m.weight.shape == (d_out, d_in) and m.bias is not None for m in layers)
         new = layers[0].weight.new_zeros
@@ -216,8 +216,7 @@ class ContractFloor(Floor):
         self.staged = []  # rows of s_new written by this pass and not committed
         self.queued = False
         super().__init__(model, lr, **kwargs)
-        layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
-        for i, layer in enumerate(layers):
+        for i, layer in enumerate(self.layers):
             layer.weight.register_post_accumulate_grad_hook(self._commit_hook(i))
 
     def _grad_hook(self, out_row):

@@ -3,25 +3,20 @@ it was. Mechanics only: no assertion reads a number derived from a timing."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 import singd_cuda.ops as ops
 from singd_cuda.curvature.layers import SquareSums
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "capture_cost.py"
+from .host_cost_script import loaded
 
 
 @pytest.mark.skipif(not ops.fused_available("cpu"), reason="fused ops not built")
 def test_the_record_has_every_row_and_restores_the_square_sums(tmp_path):
-    spec = importlib.util.spec_from_file_location("capture_cost", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     kept = (SquareSums.inputs, SquareSums.outputs)
     out = tmp_path / "capture.md"
-    assert module.main(["--iterations", "2", "--steps", "2", "--out", str(out)]) == 0
+    with loaded("capture_cost") as module:
+        assert module.main(["--iterations", "2", "--steps", "2", "--out", str(out)]) == 0
     assert (SquareSums.inputs, SquareSums.outputs) == kept
     text = out.read_text()
     for row in ("| plain model", "| AdaFisher |", "| reduction only", "| no square sums"):
