@@ -6,6 +6,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 
+#include <algorithm>
 #include <cmath>
 #include <initializer_list>
 #include <optional>
@@ -212,6 +213,23 @@ inline ReductionLayout reduction_layout(const at::Tensor& x, int64_t dim) {
   for (int64_t i = 0; i < w; ++i) l.outer *= x.size(i);
   for (int64_t i = w + 1; i < x.dim(); ++i) l.inner *= x.size(i);
   return l;
+}
+
+// A Linear layer's input x (..., d) as N = numel / d rows of d, and the scale 1/N (1 when
+// there are no rows) of input_sum_squares.
+struct InputRows {
+  int64_t rows;
+  int64_t d;
+  double scale;
+};
+
+inline InputRows input_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() >= 1, "input_sum_squares: x must have at least one dimension");
+  TORCH_CHECK(is_floating(x.scalar_type()), "input_sum_squares: x has dtype ", x.scalar_type(),
+              ", expected a floating dtype");
+  const int64_t d = x.size(-1);
+  const int64_t rows = x.numel() / std::max<int64_t>(d, 1);
+  return {rows, d, 1.0 / static_cast<double>(std::max<int64_t>(rows, 1))};
 }
 
 // Geometry of conv2d_patch_sum_squares: x (B, C, H, W), C = groups * Cg, output size (OH, OW).

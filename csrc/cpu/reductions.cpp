@@ -111,6 +111,27 @@ at::Tensor col_sum_squares_cpu(const at::Tensor& x_in, int64_t dim) {
   return out;
 }
 
+// input_sum_squares: the column sums of x (rows, d), then out[c] = (sum_c * 1/N) * weight and,
+// with a bias, out[d] = (N * 1/N) * weight: every product rounded once in the op-math type, as
+// the reference's separate multiplies by the scalars 1/N and weight round.
+at::Tensor input_sum_squares_cpu(const at::Tensor& x_in, double weight, bool bias) {
+  const InputRows r = input_rows(x_in);
+  const auto acc_type = at::toOpMathType(x_in.scalar_type());
+  at::Tensor out = at::zeros({r.d + (bias ? 1 : 0)}, x_in.options().dtype(acc_type));
+  const at::Tensor x = x_in.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, x.scalar_type(), "input_sum_squares", [&] {
+        using T = at::opmath_type<scalar_t>;
+        T* o = out.data_ptr<T>();
+        if (x.numel() > 0) column_sum_squares(x.const_data_ptr<scalar_t>(), r.rows, r.d, o);
+        const T scale = static_cast<T>(r.scale);
+        const T w = static_cast<T>(weight);
+        for (int64_t c = 0; c < r.d; ++c) o[c] = o[c] * scale * w;
+        if (bias) o[r.d] = static_cast<T>(static_cast<double>(r.rows)) * scale * w;
+      });
+  return out;
+}
+
 // S[c, h, w] = sum_b (mean_g x[b, g * Cg + c, h, w])^2 over a block of positions.
 template <typename S, typename T>
 void group_mean_squares(const S* x, const ConvGeometry& g, T* sq) {
@@ -185,6 +206,7 @@ at::Tensor conv2d_patch_sum_squares_cpu(const at::Tensor& x_in, at::IntArrayRef 
 
 TORCH_LIBRARY_IMPL(singd_cuda, CPU, m) {
   m.impl("col_sum_squares", &col_sum_squares_cpu);
+  m.impl("input_sum_squares", &input_sum_squares_cpu);
   m.impl("conv2d_patch_sum_squares", &conv2d_patch_sum_squares_cpu);
 }
 

@@ -280,10 +280,23 @@ at::Tensor conv2d_patch_sum_squares_cuda(const at::Tensor& x_in, at::IntArrayRef
   return out;
 }
 
+// input_sum_squares: col_sum_squares's kernel, then the reference's multiplies by 1/N and the
+// weight and its bias entry, as ATen ops (each product rounded once, as there).
+at::Tensor input_sum_squares_cuda(const at::Tensor& x, double weight, bool bias) {
+  const InputRows r = input_rows(x);
+  at::Tensor h = col_sum_squares_cuda(x, -1);
+  h.mul_(r.scale).mul_(weight);
+  if (!bias) return h;
+  at::Tensor entry = at::full({1}, static_cast<double>(r.rows), h.options());
+  entry.mul_(r.scale).mul_(weight);
+  return at::cat({h, entry});
+}
+
 }  // namespace
 }  // namespace singd::cuda
 
 TORCH_LIBRARY_IMPL(singd_cuda, CUDA, m) {
   m.impl("col_sum_squares", &singd::cuda::col_sum_squares_cuda);
+  m.impl("input_sum_squares", &singd::cuda::input_sum_squares_cuda);
   m.impl("conv2d_patch_sum_squares", &singd::cuda::conv2d_patch_sum_squares_cuda);
 }

@@ -17,6 +17,7 @@ of its input and output gradient pair with it; the module needs ``weight`` and `
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -441,12 +442,22 @@ class SquareSums:
     output gradient (conv patches are not unfolded), float32 (float64 for float64).
 
     What depends on the layer alone is decided once: its kind, and for the Linear kinds
-    the reduction itself (:func:`singd_cuda.ops.col_sum_squares_for`, the fused op or
-    the reference as ``SINGD_CUDA_FUSED`` says when a device type is first seen), so a
-    call reads no environment and makes two op calls.
+    the reductions themselves (:func:`singd_cuda.ops.input_sum_squares_for` and
+    :func:`~singd_cuda.ops.col_sum_squares_for`, the fused ops or the references as
+    ``SINGD_CUDA_FUSED`` says when a device type is first seen), so a call reads no
+    environment and makes one op call per side.
     """
 
-    __slots__ = ("_bias", "_bias_entries", "_device_type", "_kind", "_linear", "_module", "_reduce")
+    __slots__ = (
+        "_bias",
+        "_bias_entries",
+        "_device_type",
+        "_inputs",
+        "_kind",
+        "_linear",
+        "_module",
+        "_reduce",
+    )
 
     def __init__(self, layer: Layer) -> None:
         kind = layer.kind
@@ -457,29 +468,25 @@ class SquareSums:
             and cls.output_sum_squares is LinearKind.output_sum_squares
         )
         self._device_type: str | None = None
-        self._reduce = None
+        self._reduce = self._inputs = None
         self._bias_entries: dict[tuple, Tensor] = {}
 
     def _resolve(self, x: Tensor) -> None:
         self._device_type = x.device.type
-        reduce = ops.col_sum_squares_for(self._device_type)
-        # the fused op's C++ entry, which its OpOverload.__call__ (a Python call) forwards
-        # to: the same kernel (unless a Python dispatcher serves the op)
-        if (
-            isinstance(reduce, torch._ops.OpOverload)
-            and getattr(reduce, "_pyobj_dispatcher", None) is None
-        ):
-            reduce = reduce._op
-        self._reduce = reduce
+        self._reduce = _entry(ops.col_sum_squares_for(self._device_type))
+        self._inputs = _entry(ops.input_sum_squares_for(self._device_type))
 
     def inputs(self, x: Tensor, dtype: torch.dtype, weight: float = 1.0) -> Tensor:
         """diag(aᵀa) (d_K, the bias entry included) in ``dtype``, a carrying 1/√N, times
-        ``weight``."""
+        ``weight``: for the Linear kinds one op (:func:`singd_cuda.ops.input_sum_squares`)
+        when ``dtype`` is the one it sums in."""
         if x.requires_grad:  # a statistic, outside the graph (detach only what is in one)
             x = x.detach()
         if self._linear:
             if x.device.type != self._device_type:
                 self._resolve(x)
+            if dtype is (torch.float64 if x.dtype is torch.float64 else torch.float32):
+                return self._inputs(x, weight, self._bias)
             h, rows = self._reduce(x, -1), x.numel() // max(x.shape[-1], 1)
         else:
             h, rows = self._kind.input_sum_squares(self._module, x)
@@ -512,6 +519,15 @@ class SquareSums:
         else:
             s = self._kind.output_sum_squares(self._module, grad)
         return s if s.dtype == dtype else s.to(dtype)
+
+
+def _entry(op: Callable) -> Callable:
+    """A fused op's C++ entry, which its ``OpOverload.__call__`` (a Python call) forwards
+    to: the same kernel (unless a Python dispatcher serves the op); other callables as
+    they are."""
+    if isinstance(op, torch._ops.OpOverload) and getattr(op, "_pyobj_dispatcher", None) is None:
+        return op._op
+    return op
 
 
 def input_sum_squares(layer: Layer, x: Tensor, dtype: torch.dtype) -> Tensor:

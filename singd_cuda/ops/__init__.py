@@ -4,7 +4,7 @@ Every function here runs the fused kernel of the ``singd_cuda`` op library when 
 available for the tensors' device (CPU always after the first, cached, JIT build; CUDA when
 the CUDA library builds) and otherwise the reference in :mod:`singd_cuda.ops.reference`,
 which computes the same values. ``SINGD_CUDA_FUSED=0`` forces the reference path (read at
-every call, except by :func:`col_sum_squares_for`, which resolves once); a failed
+every call, except by the ``*_for`` functions, which resolve once); a failed
 build warns once and falls back to it. ``python -m singd_cuda.ops build [--cuda]`` prebuilds.
 The ops are registered as ``torch.ops.singd_cuda.*`` with fake implementations, so code
 calling them traces under ``torch.compile(fullgraph=True)``.
@@ -47,6 +47,8 @@ __all__ = [
     "diag_factor_update_",
     "diag_precond_step_",
     "fused_available",
+    "input_sum_squares",
+    "input_sum_squares_for",
     "sgd_epilogue_",
 ]
 
@@ -353,6 +355,28 @@ def col_sum_squares_for(device_type: str) -> Callable[[Tensor, int], Tensor]:
     if _fused_for(device_type):
         return torch.ops.singd_cuda.col_sum_squares.default
     return reference.col_sum_squares
+
+
+def input_sum_squares(x: Tensor, weight: float = 1.0, bias: bool = False) -> Tensor:
+    """diag(aᵀa)·w of a Linear layer's input rows a = [x, 1] / √N, in one op.
+
+    x (..., d), any floating dtype, taken as N = numel / d rows of d. The result is
+    (d,) (d + 1 with ``bias``: the bias column's entry last), float32 (float64 for float64
+    input): ``col_sum_squares(x, -1)`` multiplied by 1/N (1 when N = 0) and then by
+    ``weight``, each product rounded once as a separate multiply by that scalar rounds,
+    and the bias entry N, multiplied alike. A statistic: not differentiable.
+    """
+    if _fused_for(x.device.type):
+        return torch.ops.singd_cuda.input_sum_squares(x, weight, bias)
+    return reference.input_sum_squares(x, weight, bias)
+
+
+def input_sum_squares_for(device_type: str) -> Callable[[Tensor, float, bool], Tensor]:
+    """:func:`input_sum_squares` for tensors on ``device_type``, resolved once (as
+    :func:`col_sum_squares_for`)."""
+    if _fused_for(device_type):
+        return torch.ops.singd_cuda.input_sum_squares.default
+    return reference.input_sum_squares
 
 
 def conv2d_patch_sum_squares(

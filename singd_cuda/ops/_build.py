@@ -83,6 +83,7 @@ OP_NAMES = (
     "diag_precond_step_",
     "diag_factor_update_",
     "col_sum_squares",
+    "input_sum_squares",
     "conv2d_patch_sum_squares",
 )
 

@@ -84,6 +84,11 @@ def _col_sum_squares(x: Tensor, dim: int = -1) -> Tensor:
     return x.new_empty((x.shape[dim],), dtype=_opmath(x.dtype))
 
 
+@torch.library.register_fake("singd_cuda::input_sum_squares")
+def _input_sum_squares(x: Tensor, weight: float, bias: bool) -> Tensor:
+    return x.new_empty((x.shape[-1] + bias,), dtype=_opmath(x.dtype))
+
+
 @torch.library.register_fake("singd_cuda::conv2d_patch_sum_squares")
 def _conv2d_patch_sum_squares(
     x: Tensor,

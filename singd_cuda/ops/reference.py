@@ -216,6 +216,15 @@ def col_sum_squares(x: Tensor, dim: int = -1) -> Tensor:
     return xf.square().sum(dims) if dims else xf.square()
 
 
+def input_sum_squares(x: Tensor, weight: float = 1.0, bias: bool = False) -> Tensor:
+    rows = x.numel() // max(x.shape[-1], 1)
+    scale = 1.0 / max(rows, 1)
+    h = col_sum_squares(x, -1).mul_(scale).mul_(weight)
+    if not bias:
+        return h
+    return torch.cat([h, h.new_full((1,), float(rows)).mul_(scale).mul_(weight)])
+
+
 def conv2d_patch_sum_squares(
     x: Tensor,
     kernel_size: int | Sequence[int],

@@ -1,4 +1,5 @@
-"""col_sum_squares and conv2d_patch_sum_squares against the reference (which unfolds)."""
+"""col_sum_squares, input_sum_squares and conv2d_patch_sum_squares against the reference
+(which unfolds)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,44 @@ def test_col_sum_squares(device, gen, dtype, case, layout):
     expected = reference.col_sum_squares(x, dim)
     assert out.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     assert out.shape == (shape[dim],)
+    torch.testing.assert_close(out, expected, rtol=RTOL[dtype], atol=0)
+
+
+# (shape of a Linear layer's input, weight w): rows of d, leading dims, one row, no rows,
+# no columns, a 1-D input; w exactly 1 (the capture's common case), a count, a fraction.
+INPUT_CASES = [
+    ((8, 16), 8.0),
+    ((5, 3), 1.0),
+    ((2, 7, 16), 14.0),
+    ((1, 1), 0.1),
+    ((257, 33), 1.0 / 3.0),
+    ((0, 5), 1.0),
+    ((4, 0), 4.0),
+    ((11,), 1.0),
+]
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+@pytest.mark.parametrize("case", INPUT_CASES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_input_sum_squares(device, gen, dtype, case, layout, bias):
+    """The fused op equals, bit for bit, col_sum_squares followed by separate multiplies by
+    1/N and w and the bias entry N multiplied alike (the capture's former epilogue), and
+    is close to the reference."""
+    shape, weight = case
+    x = make(shape, dtype, device, gen, layout)
+    out = torch.ops.singd_cuda.input_sum_squares(x, weight, bias)
+    rows = x.numel() // max(x.shape[-1], 1)
+    scale = 1.0 / max(rows, 1)
+    separate = torch.ops.singd_cuda.col_sum_squares(x, -1).mul_(scale).mul_(weight)
+    if bias:
+        entry = separate.new_full((1,), float(rows)).mul_(scale).mul_(weight)
+        separate = torch.cat([separate, entry])
+    assert out.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert out.shape == (shape[-1] + bias,)
+    assert torch.equal(out, separate)
+    expected = reference.input_sum_squares(x, weight, bias)
     torch.testing.assert_close(out, expected, rtol=RTOL[dtype], atol=0)
 
 
