@@ -53,6 +53,7 @@ from __future__ import annotations
 import itertools
 import sys
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -61,6 +62,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from . import capture_ops
 from .layers import BATCH_TELLING, Layer, call_batch
@@ -450,8 +452,28 @@ class _LayerHook(_InertCopies):
         # a hook on the output's gradient, no copy of the output
         layer_input = (args[0] if args else next(iter(kwargs.values()))).detach()
         stage = partial(_stage, self._ref, index, layer_input, next(capture._calls), terms)
-        output.register_hook(stage)
+        _hook_gradient(output, stage)
         return None
+
+
+def _hook_gradient(output: Tensor, hook: Callable) -> None:
+    """``output.register_hook(hook)`` without the handle (the hook is never removed: it goes
+    with the graph), so a layer call creates no Python object for it: the same steps as
+    ``Tensor.register_hook`` (the tensor's hook dict, registered on its ``grad_fn`` when
+    first made), its hook under a fresh id of ``RemovableHandle``'s counter (which a
+    handle of the same dict would otherwise draw). A tensor subclass or an active torch
+    function mode takes ``register_hook`` itself (it may override it)."""
+    if torch._C._has_torch_function_unary(output):
+        output.register_hook(hook)
+        return
+    hooks = output._backward_hooks
+    if hooks is None:
+        hooks = output._backward_hooks = OrderedDict()
+        if output.grad_fn is not None:
+            output.grad_fn._register_hook_dict(output)
+    key = RemovableHandle.next_id
+    RemovableHandle.next_id = key + 1
+    hooks[key] = hook
 
 
 def _stage(ref, index: int, layer_input: Tensor, call: int, weight: int, grad_output: Tensor):
