@@ -23,11 +23,19 @@ inline bool is_floating(at::ScalarType t) {
   return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
 }
 
-// Companion tensors (gradients, state) hold the parameter's dtype or float32.
+// A vector of n entries stands for an (n, 1) or (1, n) matrix (a bias's gradient for its
+// column): the same elements in the same row-major order.
+inline bool vector_of_matrix(const at::Tensor& t, const at::Tensor& p) {
+  return t.dim() == 1 && p.dim() == 2 && (p.size(0) == 1 || p.size(1) == 1) &&
+         t.numel() == p.numel();
+}
+
+// Companion tensors (gradients, state) hold the parameter's shape (or, where `vector_ok`,
+// for a one-column or one-row matrix its vector) and its dtype or float32.
 inline void check_companion(const char* op, const char* what, const at::Tensor& p,
-                            const at::Tensor& t, size_t i) {
-  TORCH_CHECK(t.sizes() == p.sizes(), op, ": ", what, "[", i, "] has shape ", t.sizes(),
-              ", expected ", p.sizes());
+                            const at::Tensor& t, size_t i, bool vector_ok) {
+  TORCH_CHECK(t.sizes() == p.sizes() || (vector_ok && vector_of_matrix(t, p)), op, ": ", what,
+              "[", i, "] has shape ", t.sizes(), ", expected ", p.sizes());
   TORCH_CHECK(t.scalar_type() == p.scalar_type() || t.scalar_type() == at::kFloat, op, ": ", what,
               "[", i, "] has dtype ", t.scalar_type(), ", expected ", p.scalar_type(), " or Float");
   TORCH_CHECK(t.device() == p.device(), op, ": ", what, "[", i, "] is on ", t.device(),
@@ -35,11 +43,12 @@ inline void check_companion(const char* op, const char* what, const at::Tensor& 
 }
 
 // params[i] floating, all on one device; every list in `companions` as long as params (the
-// one named `optional_name` may instead be empty), with params' shapes and devices and the
-// dtype of params[i] or float32.
+// one named `optional_name` may instead be empty), with params' shapes (the one named
+// `vector_name` may hold a one-column or one-row matrix's vector) and devices and the dtype
+// of params[i] or float32.
 inline void check_lists(const char* op, at::TensorList params,
                         std::initializer_list<std::pair<const char*, at::TensorList>> companions,
-                        const char* optional_name = nullptr) {
+                        const char* optional_name = nullptr, const char* vector_name = nullptr) {
   for (const auto& [name, list] : companions) {
     const bool may_be_empty = optional_name != nullptr && std::string_view(name) == optional_name;
     TORCH_CHECK(list.size() == params.size() || (may_be_empty && list.empty()), op, ": ", name,
@@ -52,7 +61,8 @@ inline void check_lists(const char* op, at::TensorList params,
     TORCH_CHECK(p.device() == params[0].device(), op, ": tensor [", i, "] is on ", p.device(),
                 ", expected ", params[0].device());
     for (const auto& [name, list] : companions) {
-      if (!list.empty()) check_companion(op, name, p, list[i], i);
+      const bool vector_ok = vector_name != nullptr && std::string_view(name) == vector_name;
+      if (!list.empty()) check_companion(op, name, p, list[i], i, vector_ok);
     }
   }
 }

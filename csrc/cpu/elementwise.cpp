@@ -228,7 +228,7 @@ void diag_precond_step_cpu(at::TensorList params_in, at::TensorList grads_in,
   if (adafisher) check_adam(op, h);
   const bool use_state = adafisher || momentum != 0.0;
   check_lists(op, params_in, {{"grads", grads_in}, {"bufs", bufs_in}},
-              use_state ? nullptr : "bufs");
+              use_state ? nullptr : "bufs", "grads");
   check_scales(params_in, row_scales, col_scales);
   if (params_in.empty()) return;
   check_optional_scalars(op, inv_scale, found_inf, params_in[0].device());

@@ -175,7 +175,7 @@ def diag_precond_step_(
         acc = _opmath(param.dtype)
         p = param.to(acc)
         scale = row_scales[i].to(acc).reshape(-1, 1) * col_scales[i].to(acc).reshape(1, -1)
-        g = grads[i].to(acc)
+        g = grads[i].to(acc).reshape(param.shape)  # (a bias's vector for its column)
         if mode == "singd":
             u = _direction(scale * g, p, inv_scale, weight_decay, decoupled)
             buf = bufs[i] if momentum != 0 else None

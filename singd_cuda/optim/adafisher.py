@@ -205,7 +205,7 @@ class KeptBatch:
         self._present: list[bool] = []  # which parameters had a gradient
         self._strides: list[tuple[int, ...]] = []  # the queued gradients' strides
         self._lists: tuple[list[Tensor], ...] | None = None  # (params, bufs, rows, cols)
-        self._grad_views: list[tuple | None] = []  # None: the gradient itself
+        self._grad_views: list[tuple | None] = []  # None: the gradient as it is (_takes_as_is)
 
     def batch(
         self,
@@ -252,13 +252,25 @@ class KeptBatch:
             self._present, self._strides = present, list(map(Tensor.stride, queued))
             self._lists = (batch.params, batch.bufs, batch.rows, batch.cols)
             self._grad_views = [
-                None if view == (tuple(grad.shape), grad.stride(), 0) else view
+                None if _takes_as_is(grad, view) else view
                 for grad, view in zip(queued, batch.grad_views, strict=True)
             ]
         return batch
 
 
 _ROW, _COLUMN = operator.itemgetter(0), operator.itemgetter(1)  # s′ and h′ of (s′, h′, scratch)
+
+
+def _takes_as_is(grad: Tensor, view: tuple) -> bool:
+    """Whether :func:`singd_cuda.ops.diag_precond_step_` takes ``grad`` itself for its matrix
+    at ``view`` = (shape, stride, offset): the matrix is the gradient, or the one column of a
+    contiguous vector (a bias's gradient, which the op reads as its (d_C, 1) matrix)."""
+    shape, stride, offset = view
+    if offset != 0:
+        return False
+    if shape == tuple(grad.shape) and stride == grad.stride():
+        return True
+    return grad.dim() == 1 and grad.is_contiguous() and shape == (grad.numel(), 1)
 
 
 def _grad_view(grad: Tensor, view: tuple) -> Tensor:

@@ -191,3 +191,41 @@ def test_invalid_arguments_raise(cpu_ops, gen):
         )
     with pytest.raises(ValueError, match="mode must be"):
         reference.diag_precond_step_(p, p, p, rows, cols, mode="adam", lr=0.1, momentum=0.9)
+
+
+@pytest.mark.parametrize("mode", ["singd", "adafisher"])
+@pytest.mark.parametrize("shape", [(5, 1), (1, 6)], ids=["column", "row"])
+def test_a_vector_gradient_of_a_one_column_matrix(device, gen, mode, shape):
+    """A bias's (d,) gradient for its (d, 1) matrix (or a vector for a one-row matrix) is
+    taken as it is: the same result, bit for bit, as its matrix view, fused and reference;
+    the state must still have the matrix's shape."""
+    params = [make(shape, torch.float32, device, gen)]
+    grads = [make((shape[0] * shape[1],), torch.float32, device, gen)]
+    bufs = [make(shape, torch.float32, device, gen)]
+    rows = [make((shape[0],), torch.float32, device, gen, low=0.0)]
+    cols = [make((shape[1],), torch.float32, device, gen, low=0.0)]
+    hyper = (mode, 0.01, 0.9, 1e-3, 0.01, False, 3, None, None, False, 5)
+    expected_params, expected_bufs = clones(params), clones(bufs)
+    viewed = [grads[0].view(shape)]
+    torch.ops.singd_cuda.diag_precond_step_(
+        expected_params, viewed, expected_bufs, rows, cols, *hyper
+    )
+    torch.ops.singd_cuda.diag_precond_step_(params, grads, bufs, rows, cols, *hyper)
+    assert_bitwise(params, expected_params)
+    assert_bitwise(bufs, expected_bufs)
+    ref_params, ref_bufs = clones(expected_params), clones(expected_bufs)
+    kwargs = dict(mode=mode, lr=0.01, momentum=0.9, damping=1e-3, weight_decay=0.01, step=3)
+    reference.diag_precond_step_(ref_params, grads, ref_bufs, rows, cols, **kwargs)
+    reference.diag_precond_step_(expected_params, viewed, expected_bufs, rows, cols, **kwargs)
+    assert_bitwise(ref_params, expected_params)
+    with pytest.raises(RuntimeError, match=r"bufs\[0\] has shape"):
+        torch.ops.singd_cuda.diag_precond_step_(params, grads, grads, rows, cols, *hyper)
+
+
+def test_a_vector_gradient_of_a_wider_matrix_raises(cpu_ops, gen):
+    p = [make((3, 2), torch.float32, "cpu", gen)]
+    with pytest.raises(RuntimeError, match=r"grads\[0\] has shape \[6\], expected \[3, 2\]"):
+        cpu_ops.diag_precond_step_(
+            p, [torch.zeros(6)], p, [torch.ones(3)], [torch.ones(2)],
+            "singd", 0.1, 0.9, 0.0, 0.0, False, 1, None, None, False, 0,
+        )  # fmt: skip

@@ -51,3 +51,18 @@ def test_kept_batch_equals_a_batch_built_each_step(name):
     fresh = train(MAKERS[name], fresh_batch_each_step=True)
     for a, b in zip(kept, fresh, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", sorted(MAKERS))
+def test_a_warm_batch_takes_the_gradients_as_they_are(name):
+    """Weights' gradients and biases' vectors go to the fused op as they are: a warm step
+    makes no view of a gradient (``_takes_as_is``)."""
+    net = model()
+    opt = MAKERS[name](net)
+    for _ in range(2):
+        opt.zero_grad()
+        net(torch.randn(4, 5)).square().mean().backward()
+        opt.step()
+    kept = opt.rule_for(opt.param_groups[0])._kept
+    assert kept._lists is not None
+    assert kept._grad_views == [None] * 6
