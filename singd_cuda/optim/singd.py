@@ -145,8 +145,11 @@ class SingdRule(LayerRule):
         # Diagonal(d, diag=...) without its __init__ (which checks the part names: two
         # Python calls a matrix, on every layer call)
         H_K, H_C = object.__new__(Diagonal), object.__new__(Diagonal)
-        H_K.dim, H_K.parts = h.shape[0], {"diag": h.mul_(squares.k2.to(h.dtype))}  # d_K
-        H_C.dim, H_C.parts = s.shape[0], {"diag": s.mul_(squares.c2.to(s.dtype))}  # d_C
+        k2, c2 = squares.k2, squares.c2
+        if k2.dtype is not h.dtype or c2.dtype is not s.dtype:  # (a no-op .to costs a call)
+            k2, c2 = k2.to(h.dtype), c2.to(s.dtype)
+        H_K.dim, H_K.parts = h.shape[0], {"diag": h.mul_(k2)}  # d_K
+        H_C.dim, H_C.parts = s.shape[0], {"diag": s.mul_(c2)}  # d_C
         if "in" in pending:
             pending["in"].add_(H_K)
             pending["out"].add_(H_C)
