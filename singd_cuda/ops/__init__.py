@@ -234,7 +234,8 @@ def diag_precond_step_(
     """One pass over W, G and state for the diagonal structures, preconditioning included.
 
     ``params[i]`` is a 2-D (d_C, n) view of a weight (conv weights flattened to
-    (d_C, C_in/groups * kh * kw)) or a bias as a (d_C, 1) view; ``grads[i]`` its gradient,
+    (d_C, C_in/groups * kh * kw)) or a bias as a (d_C, 1) view; ``grads[i]`` its gradient
+    (for a (d_C, 1) or (1, n) matrix also as the vector itself: a bias's own gradient),
     ``row_scales[i]`` has d_C entries and ``col_scales[i]`` n entries (1 for a bias: the
     bias column's entry of the K side). Scales are used in float32 (float64 for float64
     parameters); pass them in that dtype to avoid a conversion.
