@@ -5,13 +5,13 @@ thread. Two measurements:
 
 - **Capture**: forward, backward and step timed separately (``time.perf_counter``), per
   layer, medians over interleaved iterations of four models: the plain model (no
-  optimizer, no hooks), AdaFisher as it is, AdaFisher with the input side's square sum
-  reduced to the reduction and the bias entry (no scalar multiplies: ``reduction only``),
-  and AdaFisher with both square sums replaced by copies of cached zeros (``no square
-  sums``). The differences attribute the backward's overhead: the input side's epilogue
-  (real - reduction only), the reductions with their wrappers (reduction only - no square
-  sums), and the capture's staging, planning and commit (no square sums - plain). The
-  variants change the statistics, so only their times mean anything.
+  optimizer, no hooks), AdaFisher as it is, AdaFisher with the output side's square sum
+  replaced by a copy of cached zeros (``input side only``), and AdaFisher with both
+  replaced so (``no square sums``). The differences attribute the backward's overhead:
+  the output side's reduction with its wrapper (real - input side only), the input side's
+  one op (:func:`singd_cuda.ops.input_sum_squares`) with its wrapper (input side only - no
+  square sums), and the capture's staging, planning and commit (no square sums - plain).
+  The variants change the statistics, so only their times mean anything.
 - **Step**: ``torch.profiler`` over AdaFisher's steps alone: the step's total and its
   self time (outside every op: its Python), and the ops with the most self time.
 
@@ -47,17 +47,13 @@ LAYERS, WIDTH, BATCH, _ = MODELS[MODEL]
 
 def _variants() -> dict[str, tuple[Callable, Callable]]:
     """name -> (SquareSums.inputs, SquareSums.outputs) while that variant runs."""
-    column, zeros_in, zeros_out = torch.zeros(1), torch.zeros(WIDTH + 1), torch.zeros(WIDTH)
-
-    def reduction_only(sums: SquareSums, x, dtype, weight=1.0):
-        """The input side as the reduction and the bias entry alone (a cached column)."""
-        if x.device.type != sums._device_type:
-            sums._resolve(x)
-        return torch.cat([sums._reduce(x, -1), column])
-
+    zeros_in, zeros_out = torch.zeros(WIDTH + 1), torch.zeros(WIDTH)
     return {
         "AdaFisher": (SquareSums.inputs, SquareSums.outputs),
-        "reduction only (no scalar multiplies)": (reduction_only, SquareSums.outputs),
+        "input side only (output side: cached zeros)": (
+            SquareSums.inputs,
+            lambda sums, g, dtype: zeros_out.clone(),
+        ),
         "no square sums (cached zeros)": (
             lambda sums, x, dtype, weight=1.0: zeros_in.clone(),
             lambda sums, g, dtype: zeros_out.clone(),
@@ -167,17 +163,16 @@ def report(iterations: int, steps: int) -> list[str]:
         "|---|---|---|---|",
     ]
     lines += [f"| {name} | {f:.1f} | {b:.1f} | {s:.1f} |" for name, (f, b, s) in phases.items()]
-    plain, real, reduction, zeros = phases.values()
+    plain, real, inputs, zeros = phases.values()
     lines += [
         "",
         "The backward's overhead over the plain model's, attributed:",
         "",
         "| part | µs per layer |",
         "|---|---|",
-        f"| the input side's epilogue (two scalar multiplies, the bias entry's look-up) "
-        f"| {real[1] - reduction[1]:.1f} |",
-        f"| the two reductions, the bias entry's `cat` and their wrappers "
-        f"| {reduction[1] - zeros[1]:.1f} |",
+        f"| the output side's reduction and its wrapper | {real[1] - inputs[1]:.1f} |",
+        f"| the input side's op (`input_sum_squares`: the reduction, 1/N and w, the bias "
+        f"entry) and its wrapper | {inputs[1] - zeros[1]:.1f} |",
         f"| staging, planning and commit (the capture's Python) | {zeros[1] - plain[1]:.1f} |",
         f"| the forward hooks (forward over the plain model's) | {real[0] - plain[0]:.1f} |",
         "",

@@ -19,7 +19,7 @@ def test_the_record_has_every_row_and_restores_the_square_sums(tmp_path):
         assert module.main(["--iterations", "2", "--steps", "2", "--out", str(out)]) == 0
     assert (SquareSums.inputs, SquareSums.outputs) == kept
     text = out.read_text()
-    for row in ("| plain model", "| AdaFisher |", "| reduction only", "| no square sums"):
+    for row in ("| plain model", "| AdaFisher |", "| input side only", "| no square sums"):
         assert row in text
-    assert "the input side's epilogue" in text and "outside every op" in text
+    assert "the input side's op" in text and "outside every op" in text
     assert "| `singd_cuda::diag_precond_step_` | 1 |" in text
