@@ -37,8 +37,8 @@ calls (``sys.setprofile``'s 'call' and 'c_call' events, C being builtins such as
 its hooks are counted); ``ops``, dispatcher ops (a ``TorchDispatchMode`` counting the ops
 that reach it: the top-level ops after autograd, backward included, custom ops as one, the
 ops a C++ kernel calls inside not seen); and ``GC / iter``, garbage collections per
-iteration (``gc.callbacks``, every generation, over 40 steady-state iterations of that
-competitor alone).
+iteration (``gc.callbacks``, every generation, over 200 steady-state iterations of that
+competitor alone, 40 after a full collection).
 
     python benchmarks/host_cost.py --out benchmarks/results/host_cost.md
     python benchmarks/host_cost.py --models tiny --steps 20  # quick look
@@ -397,8 +397,11 @@ class Competitor:
                 self.iteration(timed=False)
         return mode.count / iterations
 
-    def collections(self, iterations: int = 40) -> float:
-        """Garbage collections (any generation) per iteration."""
+    def collections(self, iterations: int = 200, settle: int = 40) -> float:
+        """Garbage collections (any generation) per iteration, over ``iterations`` after
+        ``settle`` uncounted ones that follow a full collection (right after one, the
+        young generations fill again: SINGD diagonal collects 6 times in the next 40
+        iterations, then about once in 400)."""
         count = 0
 
         def callback(phase, info):
@@ -406,6 +409,8 @@ class Competitor:
             count += phase == "start"
 
         gc.collect()
+        for _ in range(settle):
+            self.iteration(timed=False)
         gc.callbacks.append(callback)
         try:
             for _ in range(iterations):
