@@ -193,9 +193,12 @@ inline void check_scales(at::TensorList params, at::TensorList row_scales,
 }
 
 // Scale vectors in the accumulation dtype of params[i], flat and contiguous (a copy only
-// when they are not already).
+// when they are not already; one that is already is returned as it is, without the
+// reshape's view: two per parameter and step otherwise).
 inline at::Tensor as_scale(const at::Tensor& s, at::ScalarType param_type) {
-  return s.reshape({-1}).to(at::toOpMathType(param_type)).contiguous();
+  const auto acc = at::toOpMathType(param_type);
+  if (s.dim() == 1 && s.scalar_type() == acc && s.is_contiguous()) return s;
+  return s.reshape({-1}).to(acc).contiguous();
 }
 
 // a and b of diag_factor_update_: empty (all ones) or one single-element tensor per factor.
