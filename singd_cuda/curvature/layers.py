@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from .. import ops
+from ..structures.base import ACCUMULATES_IN
 
 SUPPORTED_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)  # built-in; see is_supported
 """The torch.nn classes preconditioned without registration (subclasses included); Hugging
@@ -485,7 +486,7 @@ class SquareSums:
         if self._linear:
             if x.device.type != self._device_type:
                 self._resolve(x)
-            if dtype is (torch.float64 if x.dtype is torch.float64 else torch.float32):
+            if dtype is ACCUMULATES_IN.get(x.dtype, x.dtype):  # the dtype the op sums in
                 return self._inputs(x, weight, self._bias)
             h, rows = self._reduce(x, -1), x.numel() // max(x.shape[-1], 1)
         else:
