@@ -61,7 +61,11 @@ SOURCES = {
 }
 SOURCE_SUFFIXES = (".h", ".cuh", ".cpp", ".cu")
 CFLAGS = ("-O3", "-fno-trapping-math", "-ffp-contract=off", "-fopenmp")
-LDFLAGS = ("-fopenmp",)
+# libstdc++ named explicitly: a compiler that links it statically by default (a GCC with
+# -static-libstdc++ in its specs or wrapper) would put a private copy into the library,
+# whose locale facets do not match the libstdc++ that torch loads (an error message that
+# formats a number came out cut short, or crashed the process).
+LDFLAGS = ("-fopenmp", "-lstdc++")
 # No FMA contraction, IEEE division, no flush to zero: the element math rounds like the CPU
 # kernels and the reference (the kernels are memory-bound; the extra instructions are free).
 CUDA_FLAGS = (

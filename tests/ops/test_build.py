@@ -70,6 +70,40 @@ def test_toolkit_defaults(monkeypatch, tmp_path):
         assert _build.cuda_arch_list() == _build.DEFAULT_ARCH_LIST
 
 
+STATIC_LIBSTDCXX_PROBE = """
+import torch
+from singd_cuda.ops import _build
+_build.load("cpu", strict=True)
+try:
+    torch.ops.singd_cuda.diag_precond_step_(
+        [torch.zeros(2, 2)], [torch.zeros(2, 2)], [torch.zeros(2, 2)], [torch.ones(3)],
+        [torch.ones(2)], "singd", 0.1, 0.9, 0.0, 0.0, False, 1, None, None, False, 0)
+except RuntimeError as exc:
+    print(str(exc).splitlines()[0])
+"""
+
+
+@pytest.mark.slow
+def test_a_compiler_that_links_libstdcxx_statically_still_formats_errors(tmp_path):
+    """A C++ compiler that links libstdc++ statically by default (a GPU machine's image had
+    one as ``$CXX``) builds a library that uses the libstdc++ torch loads: an error message
+    that formats numbers arrives whole (with a private copy it came out cut short after the
+    first number here, and crashed the process there). Builds the CPU library afresh."""
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip("no g++ here")
+    wrapper = tmp_path / "g++"
+    wrapper.write_text(f'#!/bin/sh\nexec {gxx} -static-libstdc++ "$@"\n')
+    wrapper.chmod(0o755)
+    env = {**os.environ, "CXX": str(wrapper), "SINGD_CUDA_CACHE_DIR": str(tmp_path / "cache")}
+    run = subprocess.run(
+        [sys.executable, "-c", STATIC_LIBSTDCXX_PROBE],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "diag_precond_step_: row_scales[0] has 3 entries, expected 2"
+
+
 def test_unknown_kind_raises():
     with pytest.raises(ValueError, match="unknown library kind"):
         _build.load("rocm")
