@@ -10,7 +10,8 @@ phases, each in its own process under its own timeout, within a total budget (de
 2. ``build``: ``python -m singd_cuda.ops build --cuda`` (compiles and loads both op
    libraries; the first build on a machine takes minutes);
 3. ``tests``: ``pytest -m gpu tests/ops tests/gpu`` (the GPU tests: bitwise parity with the
-   CPU and the reference, launches, opcheck, reductions, training runs);
+   CPU and the reference, launches, opcheck, reductions, training runs); a test that kills
+   the process is recorded as crashed and the run goes on after it;
 4. ``bench``: achieved bandwidth of the fused kernels as a fraction of a device-to-device
    copy of the same bytes measured in the same run (target >= 70 %), and the diagonal
    SINGD / AdaFisher ``optimizer.step()`` against ``torch.optim.AdamW(fused=True)`` on the
@@ -74,6 +75,8 @@ NEEDS_BUILD = ("tests", "bench", "iteration", "graphs")
 REPORT_MD = "gpu_report.md"
 REPORT_JSON = "gpu_report.json"
 LOG_TAIL = 3000  # characters of a failed phase's output kept in the report
+CRASH_RERUNS = 5  # tests that may kill the pytest process before the phase gives up
+RESULT_WORDS = ("PASSED", "FAILED", "SKIPPED", "ERROR", "XFAIL", "XPASS")
 
 
 # ---------------------------------------------------------------------------------------
@@ -334,16 +337,16 @@ def phase_env(args) -> PhaseResult:
     return PhaseResult("passed", summary, lines=lines, data=data)
 
 
-def _tee(command: list[str]) -> tuple[int, str]:
+def _tee(command: list[str], cwd: Path = ROOT) -> tuple[int, str]:
     """Runs ``command``, streaming its output into this phase's log; (exit code, output)."""
-    proc = subprocess.Popen(
-        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
     collected = []
-    for line in proc.stdout:
-        print(line, end="", flush=True)
-        collected.append(line)
-    return proc.wait(), "".join(collected)
+    with subprocess.Popen(
+        command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as proc:
+        for line in proc.stdout:
+            print(line, end="", flush=True)
+            collected.append(line)
+    return proc.returncode, "".join(collected)
 
 
 def phase_build(args) -> PhaseResult:
@@ -358,27 +361,79 @@ def phase_build(args) -> PhaseResult:
     return PhaseResult("passed", "; ".join(r.split(" (")[0] for r in ready), lines=lines)
 
 
-def phase_tests(args) -> PhaseResult:
+def _reported_tests(out: str) -> tuple[dict[str, str], str | None]:
+    """From ``pytest -v`` output: each node id that reported a result, with the result, and
+    the one that was running when the process died (its line has no result), if any."""
+    reported, running = {}, None
+    for line in out.splitlines():
+        node, _, rest = line.partition(" ")
+        if "::" in node and not line.startswith(" "):
+            word = rest.split(" ", 1)[0]
+            if word in RESULT_WORDS:
+                reported[node] = word
+                running = None
+            else:
+                running = node
+    return reported, running
+
+
+def _junit_failures(junit: Path) -> list[str]:
+    """ "node: message" of each failed or erroring test case in a JUnit XML report."""
     import xml.etree.ElementTree as ET
 
+    failures = []
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        for kind in ("failure", "error"):
+            problem = case.find(kind)
+            if problem is not None:
+                message = (problem.get("message") or "").strip().splitlines()[:1]
+                failures.append(f"{case.get('classname')}::{case.get('name')}: {message}")
+    return failures
+
+
+def run_pytest_through_crashes(
+    command: list[str], junit: Path, cwd: Path = ROOT
+) -> tuple[int, str, list[str]]:
+    """Runs ``command`` (``pytest -v ...``) with ``--junitxml``; when a test kills the
+    process (a segfault in an op), records it, deselects it and every test that already
+    reported, and runs on, at most ``CRASH_RERUNS`` times. (last exit code, last output,
+    failures as "node: message", crashed tests included; a run that crashed wrote no
+    report, so its failures are named from its output, their messages left in the log)."""
+    done: list[str] = []
+    failures: list[str] = []
+    for attempt in range(CRASH_RERUNS + 1):
+        part = junit.with_suffix(f".{attempt}.xml")
+        part.unlink(missing_ok=True)
+        skip = [f"--deselect={node}" for node in done]
+        returncode, out = _tee([*command[:3], f"--junitxml={part}", *skip, *command[3:]], cwd)
+        reported, crashed = _reported_tests(out)
+        if returncode >= 0 or crashed is None:
+            if part.exists():
+                failures += _junit_failures(part)
+            break
+        failures += [
+            f"{node}: {word} (its message is in the log)"
+            for node, word in reported.items()
+            if word in ("FAILED", "ERROR")
+        ]
+        failures.append(f"{crashed}: CRASHED the test process (signal {-returncode})")
+        done += [*reported, crashed]
+    return returncode, out, failures
+
+
+def phase_tests(args) -> PhaseResult:
     junit = args.result.with_suffix(".xml")
-    junit.unlink(missing_ok=True)
     paths = ["tests/gpu"] if args.dry_run else ["tests/ops", "tests/gpu"]
     command = [sys.executable, "-m", "pytest", "-v", "-m", "gpu", "-p", "no:cacheprovider"]
-    command += ["--maxfail=30", f"--junitxml={junit}", *paths]
-    returncode, out = _tee(command)
+    command += ["--maxfail=30", *paths]
+    returncode, out, failures = run_pytest_through_crashes(command, junit)
     tail = (out.strip().splitlines() or ["(no output)"])[-1].strip("= ")
+    crashed = [f for f in failures if "CRASHED" in f]
+    if crashed:
+        tail = f"{len(crashed)} test(s) crashed the process; after them: {tail}"
     lines = [f"- `pytest {' '.join(command[3:])}`: exit {returncode}: {tail}"]
-    failures = []
-    if junit.exists():
-        for case in ET.parse(junit).getroot().iter("testcase"):
-            for kind in ("failure", "error"):
-                problem = case.find(kind)
-                if problem is not None:
-                    message = (problem.get("message") or "").strip().splitlines()[:1]
-                    failures.append(f"{case.get('classname')}::{case.get('name')}: {message}")
     lines += [f"- FAILED {f}" for f in failures[:40]]
-    status = "passed" if returncode == 0 else "failed"
+    status = "passed" if returncode == 0 and not failures else "failed"
     return PhaseResult(status, tail, lines=lines, data={"failures": failures})
 
 

@@ -167,3 +167,28 @@ def test_the_iteration_table_has_a_row_per_optimizer(tmp_path):
     assert all(f"| {label} |" in table for label in labels)
     lines, _, data = iteration.iteration_report(dry_run=True, deadline=0.0)
     assert not data and sum("not run: out of time" in line for line in lines) == len(labels)
+
+
+def test_a_crashing_test_is_recorded_and_the_run_goes_on(gpu_check, tmp_path):
+    """A test that kills pytest's process (the first GPU run: a segfault in an op) is named
+    as crashed, and the tests after it still run and report."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_fake.py").write_text(
+        "import os, signal\n"
+        "def test_a(): pass\n"
+        "def test_b(): os.kill(os.getpid(), signal.SIGSEGV)\n"
+        "def test_c(): assert False, 'plainly wrong'\n"
+        "def test_d(): os.kill(os.getpid(), signal.SIGSEGV)\n"
+        "def test_e(): pass\n"
+    )
+    command = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider"]
+    command += ["--rootdir", str(tmp_path), "tests"]
+    code, out, failures = gpu_check.run_pytest_through_crashes(
+        command, tmp_path / "junit.xml", tmp_path
+    )
+    assert code == 0  # the last run, after test_d: test_e alone, passing
+    assert "test_e PASSED" in out and "::test_a" not in out
+    assert len(failures) == 3
+    assert failures[0] == "tests/test_fake.py::test_b: CRASHED the test process (signal 11)"
+    assert failures[1] == "tests/test_fake.py::test_c: FAILED (its message is in the log)"
+    assert failures[2] == "tests/test_fake.py::test_d: CRASHED the test process (signal 11)"
