@@ -63,6 +63,8 @@ RECORDS = {
     "defaults_models.md": "defaults_models.md",
     "fsdp.md": "fsdp.md",
     "fsdp_example.md": "fsdp_example.md",
+    "gpu/README.md": "gpu_first_run.md",
+    "gpu/gpu_report.md": "gpu_report.md",
     "harness_memory/README.md": "harness_memory.md",
     "harness/README.md": "harness_commands.md",
 }
