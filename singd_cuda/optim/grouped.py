@@ -209,7 +209,8 @@ class StackedProduct:
     def matmul_(self, X: Tensor) -> Tensor:
         """X_l <- P_l X_l for X of shape (L, d, n), in place when X has the dtype
         promote(P, X) (else in a converted copy); returns the result. Temporaries: a few
-        rows or columns (:data:`_CHUNK_ELEMENTS`), the border rows (arrow)."""
+        columns (dense, :data:`_CHUNK_ELEMENTS`), a few blocks' rows (block-diagonal, up
+        to :data:`_BLOCK_ROWS_FRACTION` of X), the border rows (arrow)."""
         dtype, parts = self._parts(X.dtype)
         X = X.to(dtype)
         if self.kind is Dense:
@@ -239,9 +240,14 @@ class StackedProduct:
         return _arrow_matmul_transposed_(self.k1, parts["border"], parts["middle"], G)
 
 
-# the temporaries of the in-place dense and block-diagonal products hold about this many
-# values (a small fraction of a gradient, so that a step allocates about one gradient)
+# Stacks of at most this many values take one batched product for all their layers; above
+# it, the in-place products run through temporaries of this many values (a small fraction
+# of a gradient, so that a step allocates about one gradient)...
 _CHUNK_ELEMENTS = 1 << 16
+# ...or, for the block-diagonal rows, up to this fraction of the stack when that is more:
+# 256 KiB of rows took about 200 calls per GPT-2 MLP layer, a host-bound GPU step; a few
+# calls per layer now (each block's product is the same, so the results are too)
+_BLOCK_ROWS_FRACTION = 1 / 16
 
 
 def _dense_matmul_(mats: Tensor, X: Tensor, transposed: bool = False) -> Tensor:
@@ -267,21 +273,21 @@ def _dense_matmul_(mats: Tensor, X: Tensor, transposed: bool = False) -> Tensor:
 
 def _block_diagonal_matmul_(blocks: Tensor, last: Tensor, X: Tensor) -> Tensor:
     """X_l <- blockdiag(blocks_l, last_l) X_l for blocks (L, n, b, b), last (L, r, r), X
-    (L, d, m), through one temporary of at most a few blocks' rows; returns X."""
+    (L, d, m), through one temporary of a few blocks' rows; returns X."""
     L, n, b, _ = blocks.shape
     m = X.shape[2]
     if L * n * b * m <= _CHUNK_ELEMENTS:  # small layers: one batched product for all
         head = X[:, : n * b].unflatten(1, (n, b))  # (L, n, b, m)
         head.copy_(torch.matmul(blocks, head))
     else:
-        step = max(1, min(n, _CHUNK_ELEMENTS // max(b * m, 1)))
+        elements = max(_CHUNK_ELEMENTS, int(X.numel() * _BLOCK_ROWS_FRACTION))
+        step = max(1, min(n, elements // max(b * m, 1)))
         rows = X.new_empty(step, b, m)
-        for layer in range(L):
+        for x, layer_blocks in zip(X, blocks, strict=True):
             for i in range(0, n, step):
                 k = min(step, n - i)
-                chunk = X[layer, i * b : (i + k) * b].view(k, b, m)
-                torch.bmm(blocks[layer, i : i + k], chunk, out=rows[:k])
-                chunk.copy_(rows[:k])
+                chunk = x[i * b : (i + k) * b].view(k, b, m)
+                chunk.copy_(torch.bmm(layer_blocks[i : i + k], chunk, out=rows[:k]))
     if last.shape[1]:
         tail = X[:, n * b :]
         tail.copy_(torch.bmm(last, tail))

@@ -280,3 +280,28 @@ def test_stacked_gradients_of_a_layer_without_gradient_are_zeros():
     G = grouped.stacked_gradients(layers, torch.float32)
     assert torch.equal(G[0], torch.tensor([[1.0, 1, 1, 0], [1, 1, 1, 0]]))
     assert torch.equal(G[1], torch.tensor([[2.0, 2, 2, 3], [2, 2, 2, 3]]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "chunk", [8, 64, 2**16], ids=["a block at a time", "two blocks", "all layers at once"]
+)
+def test_block_diagonal_rows_in_any_chunks_are_the_dense_product_bitwise(dtype, chunk, monkeypatch):
+    """C Cᵀ X through temporaries of a few blocks' rows: every block's product is the same
+    batched matmul whatever the temporaries hold, so any chunking gives the same values
+    bit for bit, and they equal the dense block-diagonal matrix's product."""
+    monkeypatch.setattr(grouped, "_CHUNK_ELEMENTS", chunk)
+    gen = torch.Generator().manual_seed(0)
+    L, n, b, r, m = 3, 5, 4, 2, 7
+    blocks = torch.randn(L, n, b, b, generator=gen).to(dtype)
+    last = torch.randn(L, r, r, generator=gen).to(dtype)
+    X = torch.randn(L, n * b + r, m, generator=gen).to(dtype)
+    whole = grouped._block_diagonal_matmul_(blocks, last, X.clone())
+    monkeypatch.setattr(grouped, "_CHUNK_ELEMENTS", 1)
+    monkeypatch.setattr(grouped, "_BLOCK_ROWS_FRACTION", 0.0)  # one block at a time
+    assert torch.equal(grouped._block_diagonal_matmul_(blocks, last, X.clone()), whole)
+    for layer in range(L):
+        dense = torch.block_diag(*blocks[layer].double(), last[layer].double())
+        expected = (dense @ X[layer].double()).to(dtype)
+        tolerance = 1e-12 if dtype is torch.float64 else 2e-2
+        torch.testing.assert_close(whole[layer], expected, rtol=tolerance, atol=tolerance)
