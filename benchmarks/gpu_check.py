@@ -23,8 +23,8 @@ phases, each in its own process under its own timeout, within a total budget (de
    GPU time from ``torch.profiler`` (``benchmarks/gpu_iteration.py``);
 6. ``graphs``: whether one ``optimizer.step()`` of each optimizer captures in a CUDA graph;
 7. ``nccl``: the distributed path of the gloo tests (packed all-reduce of the statistics,
-   all-gather of distributed factors) over NCCL: 2 processes on the GPU(s) when NCCL allows
-   it, else a 1-process NCCL world (its collectives only).
+   all-gather of distributed factors) over NCCL: 2 processes on 2 GPUs when there are two,
+   else a 1-process NCCL world (its collectives only: NCCL refuses two ranks on one GPU).
 
 A phase that fails, crashes or runs out of time is recorded with the tail of its output
 and the check goes on (phases that need a build are skipped when it failed). The report is
@@ -732,7 +732,11 @@ def phase_nccl(args) -> PhaseResult:
     if backend == "nccl" and not torch.distributed.is_nccl_available():
         return PhaseResult("failed", "this torch build has no NCCL")
     lines = []
-    per_rank, why = _nccl_launch(2, backend, timeout=40)
+    # NCCL refuses two ranks on one GPU ("Duplicate GPU detected", the first GPU run)
+    if backend == "nccl" and torch.cuda.device_count() < 2:
+        per_rank, why = None, "NCCL needs a GPU per rank; this machine has one"
+    else:
+        per_rank, why = _nccl_launch(2, backend, timeout=40)
     if per_rank is not None:
         world = 2
         for structures in per_rank[0]:
