@@ -67,7 +67,7 @@ PHASE_CAPS = {
     "tests": 150.0,
     "bench": 90.0,
     "iteration": 150.0,
-    "graphs": 45.0,
+    "graphs": 75.0,
     "nccl": 60.0,
 }
 PHASES = tuple(PHASE_CAPS)

@@ -22,14 +22,14 @@ keeps a dense 50257 x 50257 output factor (9.4 GiB in float32) and its Gram prod
 step: that is K-FAC's cost on this model, and why the row is last.
 
 ``graphs`` tries to capture one ``optimizer.step()`` (a step without statistics) in a CUDA
-graph (``torch.cuda.graph``) for each optimizer and reports whether it captures, and if
-not, the first line of the error (a device->host read inside the step stops a capture).
+graph (``torch.cuda.graph``) for each optimizer, each in a forked process of its own, and
+reports whether it captures, and if not, the first line of the error (a device->host read
+inside the step stops a capture).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import sys
 import time
@@ -88,9 +88,9 @@ def optimizers() -> list[tuple[str, Callable]]:
         ("SINGD diagonal T=1", lambda m: SINGD(m, lr=1e-4, structures="diagonal", T=1, **lm)),
         ("AdaFisher (T=1)", lambda m: AdaFisher(m, lr=1e-4, **lm)),
         ("AdaFisher (T=1), nonfinite='device'", lambda m: AdaFisher(m, lr=1e-4, **lm, **device)),
-        ("K-FAC T=1 (between inversions)", lambda m: KFAC(m, lr=1e-4, T=1, T_inv=10**9, **lm)),
         ("SINGD block_diagonal:32 T=10", lambda m: SINGD(m, lr=1e-4, **lm)),
         ("SINGD block_diagonal:32 T=1", lambda m: SINGD(m, lr=1e-4, T=1, **lm)),
+        ("K-FAC T=1 (between inversions)", lambda m: KFAC(m, lr=1e-4, T=1, T_inv=10**9, **lm)),
     ]
 
 
@@ -256,13 +256,75 @@ def iteration_report(dry_run: bool, deadline: float | None = None) -> tuple[list
     return lines, targets, data
 
 
-def graphs_report(dry_run: bool) -> tuple[list, dict]:
-    """Whether one ``optimizer.step()`` of each optimizer captures in a CUDA graph."""
+def in_fresh_process(verdict: Callable[[], str], timeout: float) -> str:
+    """What ``verdict()`` returns, run in a forked child: a failed CUDA graph capture can
+    leave the CUDA context broken for whatever runs after it in the same process (the first
+    GPU run's later captures all failed after the first failure). An exception, a crash or
+    ``timeout`` seconds is the verdict instead. The caller must not have initialised CUDA
+    (a forked child cannot use a CUDA context of its parent)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=_send_verdict, args=(verdict, send))
+    child.start()
+    send.close()
+    try:
+        result = receive.recv() if receive.poll(timeout) else f"no: no verdict in {timeout:.0f} s"
+    except EOFError:  # the child died without a verdict
+        child.join()
+        result = f"no: the process died (exit code {child.exitcode})"
+    finally:
+        receive.close()
+        child.join(5)
+        if child.is_alive():
+            child.kill()
+            child.join()
+    return result
+
+
+def _send_verdict(verdict: Callable[[], str], send) -> None:
+    try:
+        result = verdict()
+    except Exception as exc:  # the verdict is the finding
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        result = f"no: {type(exc).__name__}: {first[:160]}"
+    send.send(result)
+    send.close()
+
+
+def _captures(make: Callable) -> str:
+    """Whether one ``optimizer.step()`` (after WARMUP iterations and a backward without
+    statistics) captures in a CUDA graph and replays: "yes", or the exception propagates."""
+    import torch
+
+    loop = Loop(GRAPHS, torch.device("cuda"), make)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(WARMUP):
+            loop.iteration()
+        loop.forward_backward()  # step WARMUP + 1: no statistics at T=10
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loop.optimizer.step()
+    graph.replay()
+    torch.cuda.synchronize()
+    return "yes"
+
+
+def graphs_report(dry_run: bool, timeout: float = 20.0) -> tuple[list, dict]:
+    """Whether one ``optimizer.step()`` of each optimizer captures in a CUDA graph, each
+    tried in a process of its own (:func:`in_fresh_process`, ``timeout`` s each)."""
+    import os
+
+    # NVML answers is_available without initialising CUDA here, so the children can fork
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     import torch
 
     if dry_run or not torch.cuda.is_available():
         return ["- CUDA graphs: not tried (no CUDA device)"], {}
-    device = torch.device("cuda")
     lines = ["| optimizer | captures in a CUDA graph |", "|---|---|"]
     data = {}
     for label, make in optimizers():
@@ -273,31 +335,8 @@ def graphs_report(dry_run: bool) -> tuple[list, dict]:
             def make(model, make=make):
                 return make(model, capturable=True)
 
-        loop = Loop(GRAPHS, device, make)
-        try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(WARMUP):
-                    loop.iteration()
-                loop.forward_backward()  # step WARMUP + 1: no statistics at T=10
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                loop.optimizer.step()
-            graph.replay()
-            torch.cuda.synchronize()
-            verdict = "yes"
-        except Exception as exc:  # the verdict is the finding; the check goes on
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            verdict = f"no: {type(exc).__name__}: {first[:160]}"
-            with contextlib.suppress(Exception):  # a failed capture may leave an error behind
-                torch.cuda.synchronize()
-        finally:
-            loop.close()
-            del loop
-        data[label] = verdict
-        lines.append(f"| {label} | {verdict} |")
+        data[label] = in_fresh_process(lambda make=make: _captures(make), timeout)
+        lines.append(f"| {label} | {data[label]} |")
         print(lines[-1], flush=True)
     return lines, data
 

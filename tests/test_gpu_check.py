@@ -142,20 +142,26 @@ def test_dry_run_runs_every_phase(gpu_check, tmp_path):
     assert all(p["status"] == "passed" for p in data["phases"].values()), report
 
 
-@pytest.mark.skipif(not ops.fused_available("cpu"), reason="fused ops not built")
-def test_the_iteration_table_has_a_row_per_optimizer(tmp_path):
-    """The GPT-2 iteration phase on a 2-layer GPT-2 on the CPU: every optimizer's row, its
-    ratio to AdamW measured in the same run, and the rows a deadline leaves out."""
-    pytest.importorskip("transformers")
+@pytest.fixture(scope="module")
+def gpu_iteration():
     spec = importlib.util.spec_from_file_location(
         "gpu_iteration", SCRIPT.parent / "gpu_iteration.py"
     )
-    iteration = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = iteration  # dataclasses resolve annotations through it
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through it
     try:
-        spec.loader.exec_module(iteration)
+        spec.loader.exec_module(module)
     finally:
         del sys.modules[spec.name]
+    return module
+
+
+@pytest.mark.skipif(not ops.fused_available("cpu"), reason="fused ops not built")
+def test_the_iteration_table_has_a_row_per_optimizer(gpu_iteration, tmp_path):
+    """The GPT-2 iteration phase on a 2-layer GPT-2 on the CPU: every optimizer's row, its
+    ratio to AdamW measured in the same run, and the rows a deadline leaves out."""
+    pytest.importorskip("transformers")
+    iteration = gpu_iteration
     iteration.WARMUP, iteration.TIMED = 1, 2  # the table's shape, not its timings
     labels = [label for label, _ in iteration.optimizers()]
     lines, targets, data = iteration.iteration_report(dry_run=True)
@@ -192,3 +198,34 @@ def test_a_crashing_test_is_recorded_and_the_run_goes_on(gpu_check, tmp_path):
     assert failures[0] == "tests/test_fake.py::test_b: CRASHED the test process (signal 11)"
     assert failures[1] == "tests/test_fake.py::test_c: FAILED (its message is in the log)"
     assert failures[2] == "tests/test_fake.py::test_d: CRASHED the test process (signal 11)"
+
+
+def _raises():
+    raise ValueError("capture refused\nsecond line")
+
+
+def _segfaults():
+    import os
+    import signal
+
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+
+def _hangs():
+    import time
+
+    time.sleep(60)
+
+
+# Python 3.12+ warns on fork() in a process with threads (this one's OpenMP pool); the
+# children here run plain Python only
+@pytest.mark.filterwarnings("ignore:.*fork.*:DeprecationWarning")
+def test_each_graph_verdict_comes_from_a_process_of_its_own(gpu_iteration):
+    """A capture's verdict is what its forked process returns; an exception, a crash or a
+    hang in it is the verdict instead, and the next verdict starts afresh."""
+    fresh = gpu_iteration.in_fresh_process
+    assert fresh(lambda: "yes", timeout=30) == "yes"
+    assert fresh(_raises, timeout=30) == "no: ValueError: capture refused"
+    assert fresh(_segfaults, timeout=30) == "no: the process died (exit code -11)"
+    assert fresh(_hangs, timeout=1) == "no: no verdict in 1 s"
+    assert fresh(lambda: "yes", timeout=30) == "yes"
