@@ -733,8 +733,8 @@ def phase_nccl(args) -> PhaseResult:
         return PhaseResult("failed", "this torch build has no NCCL")
     lines = []
     # NCCL refuses two ranks on one GPU ("Duplicate GPU detected", the first GPU run)
-    if backend == "nccl" and torch.cuda.device_count() < 2:
-        per_rank, why = None, "NCCL needs a GPU per rank; this machine has one"
+    if backend == "nccl" and (gpus := torch.cuda.device_count()) < 2:
+        per_rank, why = None, f"NCCL needs a GPU per rank; this machine has {gpus}"
     else:
         per_rank, why = _nccl_launch(2, backend, timeout=40)
     if per_rank is not None:
