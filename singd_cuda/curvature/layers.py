@@ -352,12 +352,16 @@ def bypassed_modules(model: nn.Module) -> set[int]:
     return {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
 
 
-def input_matrix(layer: Layer, x: Tensor, dtype: torch.dtype) -> Tensor:
-    """a: (N, d_K) in ``dtype``, the layer input with ones for the bias, scaled by 1/√N."""
-    a = layer.kind.inputs(layer.module, x.detach().to(dtype))
-    if layer.bias is not None:
-        a = torch.cat([a, a.new_ones(a.shape[0], 1)], dim=1)
-    return a / math.sqrt(max(a.shape[0], 1))
+def input_matrix(layer: Layer, x: Tensor, dtype: torch.dtype, weight: float = 1.0) -> Tensor:
+    """a: (N, d_K) in ``dtype``, a new tensor: the layer input with ones for the bias,
+    scaled by 1/√N, then by √weight (a multiply by 1 changes nothing, so it is left out)."""
+    if x.requires_grad:  # a statistic, outside the graph (detach only what is in one)
+        x = x.detach()
+    a = layer.kind.inputs(layer.module, x if x.dtype is dtype else x.to(dtype))
+    root = math.sqrt(max(a.shape[0], 1))
+    # the bias's ones column by one pad (not ones and a cat), then divided in place
+    a = a / root if layer.bias is None else torch.constant_pad_nd(a, (0, 1), 1.0).div_(root)
+    return a if weight == 1.0 else a.mul_(math.sqrt(weight))
 
 
 def samples(layer: Layer, output: Tensor, batch_dim: int) -> int:
@@ -396,8 +400,12 @@ def misplaced_batch(layer: Layer, output: Tensor, batch_dim: int, model_batch: i
 
 def grad_output_matrix(layer: Layer, grad: Tensor, dtype) -> Tensor:
     """g: (N, d_C) in ``dtype``, the raw output gradient (the optimizer scales the summed
-    statistics by the loss terms of their forwards)."""
-    return layer.kind.output_gradients(layer.module, grad.detach().to(dtype))
+    statistics by the loss terms of their forwards); a view of ``grad`` where it can be."""
+    if grad.requires_grad:  # (a backward with create_graph=True)
+        grad = grad.detach()
+    if grad.dtype is not dtype:
+        grad = grad.to(dtype)
+    return layer.kind.output_gradients(layer.module, grad)
 
 
 def reduced_input_matrix(

@@ -399,7 +399,7 @@ class KroneckerOptimizer(Optimizer):
                 and self.state is states
             ):
                 if sums is None:  # the rows of a and g
-                    a = input_matrix(layer, layer_input, dtype).mul_(math.sqrt(weight))
+                    a = input_matrix(layer, layer_input, dtype, weight)
                     g = grad_output_matrix(layer, grad_output, dtype)
                     rule.accumulate(layer, group, state, into, a, g)
                     return True
@@ -448,7 +448,7 @@ class KroneckerOptimizer(Optimizer):
         elif a is not None:
             a = a.mul_(math.sqrt(weight))
         else:
-            a = input_matrix(layer, layer_input, dtype).mul_(math.sqrt(weight))
+            a = input_matrix(layer, layer_input, dtype, weight)
         if g is None:
             g = grad_output_matrix(layer, grad_output, dtype)
         self._accumulate(layer, group, into, a, g)

@@ -120,8 +120,7 @@ class SingdRule(LayerRule):
         S_K, S_C = self._classes(group)  # K and C alone (not _factors: the momenta too)
         K = S_K.from_parts(layer.dim_in, state["K"])
         C = S_C.from_parts(layer.dim_out, state["C"])
-        H_K = type(K).project_gram(K.rmatmul(a.T).T)
-        H_C = type(C).project_gram(C.rmatmul(g.T).T)
+        H_K, H_C = K.gram_of_product(a), C.gram_of_product(g)
         if "in" in pending:
             pending["in"].add_(H_K)
             pending["out"].add_(H_C)

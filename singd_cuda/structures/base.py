@@ -167,6 +167,11 @@ class StructuredMatrix(ABC):
     def rmatmul(self, X: Tensor) -> Tensor:
         """Kᵀ @ X for a dense X of shape (d, n); result dtype promote(K, X)."""
 
+    def gram_of_product(self, X: Tensor) -> StructuredMatrix:
+        """Π̂((XK)ᵀ(XK)) = Π̂(Kᵀ XᵀX K) for X of shape (N, d): :meth:`project_gram` of
+        XK = (Kᵀ Xᵀ)ᵀ (SINGD's statistic). Storage dtype promote(K, X)."""
+        return type(self).project_gram(self.rmatmul(X.T).T)
+
     @abstractmethod
     def __matmul__(self, other: StructuredMatrix) -> StructuredMatrix:
         """K @ M for M of the same structure and dimension; storage dtype of K."""

@@ -99,6 +99,26 @@ class BlockDiagonal(StructuredMatrix):
         torch.mm(last, X[n * b :], out=out[n * b :])
         return out.to(out_dtype)
 
+    def gram_of_product(self, X: Tensor) -> BlockDiagonal:
+        """The blockwise Gram matrices P_k P_kᵀ of P = Kᵀ Xᵀ (d, N), P rounded to
+        promote(K, X) as :meth:`rmatmul` returns it: bitwise :meth:`project_gram` of
+        ``rmatmul(X.T).T``, whose products take these very operands (the blocks' rows of
+        P as one contiguous (n, b, N) stack), without the (d, N) P, its structure
+        object and views, or the trailing block's products when there is none."""
+        out_dtype = torch.promote_types(self.dtype, X.dtype)
+        blocks = upcast(self.parts["blocks"], out_dtype).transpose(1, 2)
+        n, b, _ = blocks.shape
+        Xt = upcast(X, out_dtype).T  # (d, N)
+        rows = [torch.bmm(blocks, Xt[: n * b].reshape(n, b, Xt.shape[1]))]
+        if n * b < self.dim:
+            rows.append(upcast(self.parts["last"], out_dtype).T @ Xt[n * b :])
+        if rows[0].dtype is not out_dtype:  # half K and X: P is rounded as rmatmul's is
+            rows = [upcast(P.to(out_dtype)) for P in rows]
+        grams = [torch.bmm(P, P.transpose(1, 2)) if P.dim() == 3 else P @ P.T for P in rows]
+        if len(grams) == 1:  # no trailing block: its (0, 0) Gram
+            grams.append(grams[0].new_empty((0, 0)))
+        return type(self)(self.dim, blocks=grams[0].to(out_dtype), last=grams[1].to(out_dtype))
+
     def matmul(self, X: Tensor) -> Tensor:
         return self._apply(X, transpose=False)
 

@@ -109,3 +109,34 @@ def test_conv_sums_of_squares_are_the_patch_gram_diagonal(cls, conv, shape, grou
     torch.testing.assert_close(
         input_sum_squares(layer, x, torch.float64), (a * a).sum(0), rtol=1e-12, atol=1e-14
     )
+
+
+@pytest.mark.parametrize("weight", [1.0, 0.3])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize(
+    ("make", "shape"),
+    [
+        (lambda b: nn.Linear(5, 3, bias=b), (4, 2, 5)),
+        (lambda b: nn.Conv2d(2, 3, 3, bias=b), (2, 2, 5, 4)),
+    ],
+    ids=["linear", "conv2d"],
+)
+def test_input_matrix_is_the_scaled_rows_with_a_ones_column(make, shape, x_dtype, bias, weight):
+    """a = [rows, 1] / √N · √weight, bitwise as the plain composition computes it, in
+    the statistics' dtype, in a new tensor (the callers scale it in place), whether or
+    not the input is in the graph."""
+    torch.manual_seed(0)
+    module = make(bias)
+    layer = Layer("m", module, module.weight, module.bias)
+    for requires_grad in (False, True):
+        x = torch.randn(shape, dtype=x_dtype, requires_grad=requires_grad)
+        for dtype in (torch.float32, torch.float64):
+            rows = layer.kind.inputs(module, x.detach().to(dtype))
+            if bias:
+                rows = torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)
+            expected = (rows / math.sqrt(rows.shape[0])).mul_(math.sqrt(weight))
+            a = input_matrix(layer, x, dtype, weight)
+            assert a.dtype == dtype and not a.requires_grad
+            assert torch.equal(a, expected)
+            assert a.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
