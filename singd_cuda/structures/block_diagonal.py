@@ -7,7 +7,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from .base import StructuredMatrix, accumulation_dtype, store_, upcast
+from .base import ACCUMULATES_IN, StructuredMatrix, accumulation_dtype, store_, upcast
 
 
 class BlockDiagonal(StructuredMatrix):
@@ -105,19 +105,27 @@ class BlockDiagonal(StructuredMatrix):
         ``rmatmul(X.T).T``, whose products take these very operands (the blocks' rows of
         P as one contiguous (n, b, N) stack), without the (d, N) P, its structure
         object and views, or the trailing block's products when there is none."""
-        out_dtype = torch.promote_types(self.dtype, X.dtype)
-        blocks = upcast(self.parts["blocks"], out_dtype).transpose(1, 2)
+        blocks, last = self.parts["blocks"], self.parts["last"]
+        out_dtype = torch.promote_types(blocks.dtype, X.dtype)
+        acc = ACCUMULATES_IN.get(out_dtype, out_dtype)
+        if blocks.dtype is not acc:
+            blocks, last = blocks.to(acc), last.to(acc)
+        Xt = (X if X.dtype is acc else X.to(acc)).T  # (d, N)
         n, b, _ = blocks.shape
-        Xt = upcast(X, out_dtype).T  # (d, N)
-        rows = [torch.bmm(blocks, Xt[: n * b].reshape(n, b, Xt.shape[1]))]
+        P = torch.bmm(blocks.transpose(1, 2), Xt[: n * b].reshape(n, b, Xt.shape[1]))
+        if acc is not out_dtype:  # half K and X: P is rounded as rmatmul's is
+            P = P.to(out_dtype).to(acc)
+        grams = torch.bmm(P, P.transpose(1, 2))
         if n * b < self.dim:
-            rows.append(upcast(self.parts["last"], out_dtype).T @ Xt[n * b :])
-        if rows[0].dtype is not out_dtype:  # half K and X: P is rounded as rmatmul's is
-            rows = [upcast(P.to(out_dtype)) for P in rows]
-        grams = [torch.bmm(P, P.transpose(1, 2)) if P.dim() == 3 else P @ P.T for P in rows]
-        if len(grams) == 1:  # no trailing block: its (0, 0) Gram
-            grams.append(grams[0].new_empty((0, 0)))
-        return type(self)(self.dim, blocks=grams[0].to(out_dtype), last=grams[1].to(out_dtype))
+            P = last.T @ Xt[n * b :]
+            if acc is not out_dtype:
+                P = P.to(out_dtype).to(acc)
+            trailing = P @ P.T
+        else:
+            trailing = grams.new_empty((0, 0))
+        if acc is not out_dtype:
+            grams, trailing = grams.to(out_dtype), trailing.to(out_dtype)
+        return type(self)(self.dim, blocks=grams, last=trailing)
 
     def matmul(self, X: Tensor) -> Tensor:
         return self._apply(X, transpose=False)
