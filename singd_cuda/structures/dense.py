@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .base import StructuredMatrix, store_, upcast
+from .base import ACCUMULATES_IN, StructuredMatrix, store_, upcast
 
 
 class Dense(StructuredMatrix):
@@ -42,6 +42,19 @@ class Dense(StructuredMatrix):
     def rmatmul(self, X: Tensor) -> Tensor:
         out_dtype = torch.promote_types(self.dtype, X.dtype)
         return (upcast(self.parts["mat"], out_dtype).T @ upcast(X, out_dtype)).to(out_dtype)
+
+    def gram_of_product(self, X: Tensor) -> Dense:
+        """P Pᵀ of P = Mᵀ Xᵀ (d, N) rounded to promote(M, X) as :meth:`rmatmul` returns
+        it: bitwise :meth:`project_gram` of ``rmatmul(X.T).T`` (the same two products on
+        the same operands) without its no-op casts and intermediate calls."""
+        M = self.parts["mat"]
+        out_dtype = torch.promote_types(M.dtype, X.dtype)
+        acc = ACCUMULATES_IN.get(out_dtype, out_dtype)
+        P = (M if M.dtype is acc else M.to(acc)).T @ (X if X.dtype is acc else X.to(acc)).T
+        if acc is not out_dtype:  # half M and X: P is rounded as rmatmul's is
+            P = P.to(out_dtype).to(acc)
+        gram = P @ P.T
+        return type(self)(self.dim, mat=gram if acc is out_dtype else gram.to(out_dtype))
 
     def __matmul__(self, other: StructuredMatrix) -> Dense:
         self._check_same_structure(other)

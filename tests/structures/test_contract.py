@@ -111,24 +111,6 @@ class TestOperations:
         Yd = Y.double()
         assert_close_normwise(P.to_dense(), reference_projection(S, Yd.T @ Yd), dtype)
 
-    @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=str)
-    @pytest.mark.parametrize("n", [1, 16])
-    def test_gram_of_product(self, spec, d, dtype, x_dtype, n, gen):
-        """Π̂(Kᵀ XᵀX K), SINGD's statistic: bitwise the projected Gram of rmatmul's XK
-        (the composition every structure's own form must equal), and close to the
-        float64 product, for K and X of equal and of different dtypes."""
-        S = get(spec)
-        K = random_member(S, d, dtype, gen)
-        X = torch.randn(n, d, dtype=torch.float64, generator=gen).to(x_dtype)
-        H = K.gram_of_product(X)
-        composed = S.project_gram(K.rmatmul(X.T).T)
-        assert type(H) is type(composed) and H.dtype == composed.dtype
-        for name, part in composed.parts.items():
-            assert H.parts[name].shape == part.shape
-            assert torch.equal(H.parts[name], part), name
-        XK = X.double() @ K.to_dense().double()
-        assert_close_normwise(H.to_dense(), reference_projection(S, XK.T @ XK), H.dtype)
-
     def test_project_inner(self, spec, d, dtype, gen):
         S = get(spec)
         K = random_member(S, d, dtype, gen)
@@ -225,3 +207,23 @@ def test_no_dense_temporaries(spec, gen):
     assert largest < d * d * 4 // 8, (
         f"{spec}: an allocation of {largest} bytes (d*d*4 = {d * d * 4})"
     )
+
+
+@pytest.mark.parametrize(("spec", "d"), CASES, ids=IDS)
+def test_gram_of_product(spec, d, gen):
+    """Π̂(Kᵀ XᵀX K), SINGD's statistic: bitwise the projected Gram of rmatmul's XK (the
+    composition every structure's own form must equal), and close to the float64
+    product, for K and X of every dtype pair and one or many rows."""
+    S = get(spec)
+    for dtype in DTYPES:
+        K = random_member(S, d, dtype, gen)
+        for x_dtype, n in [(dtype, 16), (torch.float32, 16), (torch.bfloat16, 1)]:
+            X = torch.randn(n, d, dtype=torch.float64, generator=gen).to(x_dtype)
+            H = K.gram_of_product(X)
+            composed = S.project_gram(K.rmatmul(X.T).T)
+            assert type(H) is type(composed) and H.dtype == composed.dtype
+            for name, part in composed.parts.items():
+                assert H.parts[name].shape == part.shape
+                assert torch.equal(H.parts[name], part), (dtype, x_dtype, n, name)
+            XK = X.double() @ K.to_dense().double()
+            assert_close_normwise(H.to_dense(), reference_projection(S, XK.T @ XK), H.dtype)
