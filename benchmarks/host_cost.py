@@ -29,7 +29,11 @@ hook per weight that commits the staged row and a callback per backward pass tha
 the uncommitted ones; the same ops, so it prices the contract's Python hooks alone.
 ``floor + K-FAC's inversions`` (:class:`InvertingFloor`) adds the
 two damped inversions per layer that K-FAC makes when it inverts every step, one
-``torch.linalg.inv`` per matrix as K-FAC calls them: the bound for that row. Per layer
+``torch.linalg.inv`` per matrix as K-FAC calls them. ``K-FAC's floor`` (:class:`KfacFloor`)
+is K-FAC's own work at T=1 written the same minimal way (hooks writing aᵀa and gᵀg into
+stacked rows, the EMAs, the products and the write on stacks and foreach lists; the same
+trajectory as ``KFAC`` in float64): the bound of the two K-FAC rows, between inversions and
+(``, inverting every step``) with its per-matrix inversions at every step. Per layer
 per iteration (whole iterations, forward + backward + step, over a few steady-state
 iterations, a whole number of T periods): Python and C function
 calls (``sys.setprofile``'s 'call' and 'c_call' events, C being builtins such as
@@ -95,6 +99,14 @@ def optimizers() -> dict[str, tuple[int, Callable[[nn.Module], torch.optim.Optim
         "floor + K-FAC's inversions (2 per layer, one torch.linalg.inv each)": (
             1,
             lambda m: InvertingFloor(m, lr=1e-4),
+        ),
+        "K-FAC's floor (grams into stacks, stacked EMA and products, T=1, between inversions)": (
+            1,
+            lambda m: KfacFloor(m, lr=1e-4),
+        ),
+        "K-FAC's floor, inverting every step": (
+            1,
+            lambda m: KfacFloor(m, lr=1e-4, invert_every_step=True),
         ),
         "AdaFisher (T=1)": (1, lambda m: AdaFisher(m, lr=1e-4)),
         "AdaFisher (T=1), nonfinite='device'": (
@@ -200,6 +212,74 @@ class InvertingFloor(Floor):
         super().step()
         for factor, inverses in zip(self.factors, self.inverses, strict=True):
             torch._foreach_copy_(inverses, list(map(torch.linalg.inv, factor)))
+
+
+class KfacFloor:
+    """The floor of the K-FAC rows: K-FAC's work at T=1 with nothing else, for a model
+    whose layers are all ``nn.Linear`` of one shape (d_out, d_in) with a bias, and a loss
+    that is a mean over the batch (N rows).
+
+    Per layer and pass: the forward hook forms a = [x, 1] / √N (N, d_in + 1) and writes
+    aᵀa into its row of a preallocated (L, d_in + 1, d_in + 1) stack, and registers the
+    output-gradient hook, which writes gᵀg into its row of an (L, d_out, d_out) stack. The
+    step: A ← ρA + (1-ρ)A_new and G ← ρG + (1-ρ)·N·G_new on the stacks (the first update
+    takes them as they are); the damped inverses (A + √λI)⁻¹ and (G + √λI)⁻¹ at the first
+    step (``invert_every_step``: at every step), one ``torch.linalg.inv`` per matrix as
+    K-FAC calls them; the gradients copied into an (L, d_out, d_in + 1) stack (one
+    foreach copy), G⁻¹ ∇W A⁻¹ as two batched products into a kept stack, and momentum
+    SGD (buf ← m·buf + direction, θ ← θ - lr·buf) over ``torch._foreach_`` lists.
+    """
+
+    def __init__(
+        self, model, lr, momentum=0.9, damping=1e-3, stat_decay=0.95, invert_every_step=False
+    ):
+        self.layers = layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
+        d_out, d_in = layers[0].weight.shape
+        assert all(m.weight.shape == (d_out, d_in) and m.bias is not None for m in layers)
+        L, k, weight = len(layers), d_in + 1, layers[0].weight
+        self.lr, self.momentum, self.decay = lr, momentum, stat_decay
+        self.root, self.invert_every_step = math.sqrt(damping), invert_every_step
+        self.n, self.updates = 1, 0  # the last batch size; the factor updates so far
+        self.A, self.A_new = weight.new_zeros(L, k, k), weight.new_zeros(L, k, k)
+        self.G, self.G_new = weight.new_zeros(L, d_out, d_out), weight.new_zeros(L, d_out, d_out)
+        self.A_inv, self.G_inv = torch.zeros_like(self.A), torch.zeros_like(self.G)
+        self.grads, self.naturals = weight.new_zeros(L, d_out, k), weight.new_zeros(L, d_out, k)
+        self.params = [p for m in layers for p in (m.weight, m.bias)]
+        self.data = [p.detach() for p in self.params]  # written in place outside autograd
+        self.grad_views = [v for G in self.grads for v in (G[:, :d_in], G[:, d_in])]
+        self.directions = [v for D in self.naturals for v in (D[:, :d_in], D[:, d_in])]
+        self.bufs = [torch.zeros_like(p) for p in self.params]
+        for i, layer in enumerate(layers):
+            layer.register_forward_hook(self._forward_hook(self.A_new[i], self.G_new[i]))
+
+    def _forward_hook(self, A_row, G_row):
+        def grad_hook(g):
+            torch.mm(g.T, g, out=G_row)
+
+        def hook(module, inputs, output):
+            x = inputs[0].detach()
+            self.n = x.shape[0]
+            a = torch.constant_pad_nd(x, (0, 1), 1.0).div_(math.sqrt(self.n))
+            torch.mm(a.T, a, out=A_row)
+            output.register_hook(grad_hook)
+
+        return hook
+
+    def step(self):
+        self.G_new.mul_(self.n)  # g of a mean loss carries 1/N
+        decay = self.decay if self.updates > 0 else 0.0
+        for factor, new in ((self.A, self.A_new), (self.G, self.G_new)):
+            factor.mul_(decay).add_(new, alpha=1.0 - decay)
+        if self.updates == 0 or self.invert_every_step:
+            for factor, inverses in ((self.A, self.A_inv), (self.G, self.G_inv)):
+                damped = factor + self.root * torch.eye(factor.shape[-1], dtype=factor.dtype)
+                torch._foreach_copy_(list(inverses.unbind(0)), list(map(torch.linalg.inv, damped)))
+        self.updates += 1
+        torch._foreach_copy_(self.grad_views, [p.grad for p in self.params])
+        torch.bmm(torch.bmm(self.G_inv, self.grads), self.A_inv, out=self.naturals)
+        torch._foreach_mul_(self.bufs, self.momentum)
+        torch._foreach_add_(self.bufs, self.directions)
+        torch._foreach_add_(self.data, self.bufs, alpha=-self.lr)
 
 
 class ContractFloor(Floor):

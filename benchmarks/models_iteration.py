@@ -54,6 +54,7 @@ def optimizers(model_name: str) -> dict[str, tuple[int, Callable]]:
         "AdaFisher (T=1)": (1, lambda m: AdaFisher(m, lr=1e-4)),
         "SINGD diagonal T=1": (1, lambda m: SINGD(m, lr=1e-4, structures="diagonal", T=1)),
         "SINGD diagonal T=10": (10, lambda m: SINGD(m, lr=1e-4, structures="diagonal", T=10)),
+        "SINGD block_diagonal:32 T=1": (1, lambda m: SINGD(m, lr=1e-4, T=1)),
         "SINGD block_diagonal:32 T=10": (10, lambda m: SINGD(m, lr=1e-4, T=10)),
         "K-FAC T=10 (between inversions)": (
             10,

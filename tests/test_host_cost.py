@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import singd_cuda.ops as ops
+from singd_cuda import KFAC
 from singd_cuda.optim import finite
 
 from .host_cost_script import loaded
@@ -44,8 +45,8 @@ def test_table_has_every_optimizer(host_cost, tmp_path):
     adamw = next(line for line in text.splitlines() if line.startswith("| AdamW (foreach) |"))
     assert " | 1.00x | " in adamw  # its own ratio; the floor's column beside it is timed
     assert "| after the read µs |" in text
-    # AdamW, the three floors and the two nonfinite='device' rows read none
-    assert text.count(" | — |") == 6
+    # AdamW, the five floors and the two nonfinite='device' rows read none
+    assert text.count(" | — |") == 8
 
 
 def test_contract_floor_counts_only_passes_that_reach_the_weights(host_cost):
@@ -62,3 +63,33 @@ def test_contract_floor_counts_only_passes_that_reach_the_weights(host_cost):
     out.square().sum().backward()
     assert torch.equal(floor.s_new[1], out.grad.square().sum(0))
     assert not any(floor.staged)
+
+
+@pytest.mark.parametrize("invert_every_step", [False, True])
+def test_kfac_floor_follows_kfac(host_cost, invert_every_step):
+    """K-FAC's floor does K-FAC's work, not less: in float64 its parameters follow
+    ``KFAC(T=1)``'s (T_inv=1 when it inverts every step, else only at the first step)
+    over four steps of a mean loss, while they move by far more."""
+
+    def model():
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(5, 5), torch.nn.Tanh(), torch.nn.Linear(5, 5)]
+        return torch.nn.Sequential(*layers, torch.nn.Tanh(), torch.nn.Linear(5, 5)).double()
+
+    floor_model, kfac_model = model(), model()
+    floor = host_cost.KfacFloor(floor_model, lr=0.1, invert_every_step=invert_every_step)
+    kfac = KFAC(kfac_model, lr=0.1, T=1, T_inv=1 if invert_every_step else 10**9)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x = torch.randn(7, 5, generator=gen, dtype=torch.float64)
+        y = torch.randint(0, 5, (7,), generator=gen)
+        for net, opt in ((floor_model, floor), (kfac_model, kfac)):
+            net.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+            opt.step()
+    start = model()
+    for ours, theirs, initial in zip(
+        floor_model.parameters(), kfac_model.parameters(), start.parameters(), strict=True
+    ):
+        torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-10)
+        assert (ours - initial).abs().max() > 1e-2
