@@ -33,16 +33,17 @@ two damped inversions per layer that K-FAC makes when it inverts every step, one
 is K-FAC's own work at T=1 written the same minimal way (hooks writing aᵀa and gᵀg into
 stacked rows, the EMAs, the products and the write on stacks and foreach lists; the same
 trajectory as ``KFAC`` in float64): the bound of the two K-FAC rows, between inversions and
-(``, inverting every step``) with its per-matrix inversions at every step. Per layer
-per iteration (whole iterations, forward + backward + step, over a few steady-state
-iterations, a whole number of T periods): Python and C function
-calls (``sys.setprofile``'s 'call' and 'c_call' events, C being builtins such as
-``list.append`` and torch's bindings; on a CPU the backward runs in the calling thread, so
-its hooks are counted); ``ops``, dispatcher ops (a ``TorchDispatchMode`` counting the ops
-that reach it: the top-level ops after autograd, backward included, custom ops as one, the
-ops a C++ kernel calls inside not seen); and ``GC / iter``, garbage collections per
-iteration (``gc.callbacks``, every generation, over 200 steady-state iterations of that
-competitor alone, 40 after a full collection).
+(``, inverting every step``) with its per-matrix inversions at every step. Per layer per
+iteration (whole iterations, forward + backward + step, over a few steady-state
+iterations, a whole number of T periods): Python and C function calls
+(``sys.setprofile``'s 'call' and 'c_call' events, C being builtins such as ``list.append``
+and torch's bindings; on a CPU the backward runs in the calling thread, so its hooks are
+counted; the iteration zeroes the gradients from a list, since resuming
+``model.parameters()``'s nested generators would count as calls); ``ops``, dispatcher ops
+(a ``TorchDispatchMode`` counting the ops that reach it: the top-level ops after autograd,
+backward included, custom ops as one, the ops a C++ kernel calls inside not seen); and
+``GC / iter``, garbage collections per iteration (``gc.callbacks``, every generation, over
+200 steady-state iterations of that competitor alone, 40 after a full collection).
 
     python benchmarks/host_cost.py --out benchmarks/results/host_cost.md
     python benchmarks/host_cost.py --models tiny --steps 20  # quick look
@@ -392,6 +393,9 @@ class Competitor:
 
     def __init__(self, model_name: str, T: int, make) -> None:
         self.model, self.x, self.y = build(model_name)
+        # zeroed from a list: iterating model.parameters() resumes nested generators, each
+        # resumption a Python 'call' event, which would count as the optimizer's calls
+        self.params = list(self.model.parameters())
         self.opt = make(self.model) if make is not None else None
         self.T = T
         self.t = 0
@@ -401,7 +405,7 @@ class Competitor:
 
     def iteration(self, timed: bool) -> None:
         start = time.perf_counter()
-        for p in self.model.parameters():
+        for p in self.params:
             p.grad = None
         F.cross_entropy(self.model(self.x), self.y).backward()
         backward_done = time.perf_counter()
