@@ -357,11 +357,19 @@ def input_matrix(layer: Layer, x: Tensor, dtype: torch.dtype, weight: float = 1.
     scaled by 1/√N, then by √weight (a multiply by 1 changes nothing, so it is left out)."""
     if x.requires_grad:  # a statistic, outside the graph (detach only what is in one)
         x = x.detach()
-    a = layer.kind.inputs(layer.module, x if x.dtype is dtype else x.to(dtype))
-    root = math.sqrt(max(a.shape[0], 1))
-    # the bias's ones column by one pad (not ones and a cat), then divided in place
-    a = a / root if layer.bias is None else torch.constant_pad_nd(a, (0, 1), 1.0).div_(root)
+    rows = layer.kind.inputs(layer.module, x if x.dtype is dtype else x.to(dtype))
+    a = _scaled_rows(layer, rows)
     return a if weight == 1.0 else a.mul_(math.sqrt(weight))
+
+
+def _scaled_rows(layer: Layer, rows: Tensor) -> Tensor:
+    """[rows, 1] / √N for rows (N, d), the ones column for the layer's bias (left out
+    without one), in a new tensor: the column by one pad (not ones and a cat), then
+    divided in place."""
+    root = math.sqrt(max(rows.shape[0], 1))
+    if layer.bias is None:
+        return rows / root
+    return torch.constant_pad_nd(rows, (0, 1), 1.0).div_(root)
 
 
 def samples(layer: Layer, output: Tensor, batch_dim: int) -> int:
@@ -416,10 +424,7 @@ def reduced_input_matrix(
     the sample's rows of :meth:`LayerKind.inputs` (its positions: tokens, patches),
     ones for the bias, scaled by 1/√B."""
     rows = layer.kind.inputs(layer.module, x.detach().to(dtype))
-    a = _per_sample(layer, rows, grad, batch_dim, torch.mean)
-    if layer.bias is not None:
-        a = torch.cat([a, a.new_ones(a.shape[0], 1)], dim=1)
-    return a / math.sqrt(max(a.shape[0], 1))
+    return _scaled_rows(layer, _per_sample(layer, rows, grad, batch_dim, torch.mean))
 
 
 def reduced_grad_output_matrix(
