@@ -127,6 +127,21 @@ def optimizers() -> dict[str, tuple[int, Callable[[nn.Module], torch.optim.Optim
     }
 
 
+def _linear_layers(model) -> tuple[list[nn.Linear], int, int]:
+    """The floors' model: its ``nn.Linear`` layers, all of one shape (d_out, d_in) with a
+    bias, and that shape."""
+    layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    d_out, d_in = layers[0].weight.shape
+    assert all(m.weight.shape == (d_out, d_in) and m.bias is not None for m in layers)
+    return layers, d_out, d_in
+
+
+def _weight_and_bias_views(stack: torch.Tensor) -> list[torch.Tensor]:
+    """Per layer of an (L, d_out, d_in + 1) stack, the views shaped like its weight
+    (columns :d_in) and its bias (column d_in), in the order of the parameter lists."""
+    return [v for matrix in stack for v in (matrix[:, :-1], matrix[:, -1])]
+
+
 class Floor:
     """The floor: AdaFisher's diagonal work at T=1 with nothing else, for a model whose
     layers are all ``nn.Linear`` of one shape (d_out, d_in) with a bias.
@@ -140,9 +155,8 @@ class Floor:
     """
 
     def __init__(self, model, lr, beta=0.9, gamma=0.8, damping=1e-2):
-        self.layers = layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
-        d_out, d_in = layers[0].weight.shape
-        assert all(m.weight.shape == (d_out, d_in) and m.bias is not None for m in layers)
+        layers, d_out, d_in = _linear_layers(model)
+        self.layers = layers
         new = layers[0].weight.new_zeros
         L = len(layers)
         self.lr, self.beta, self.gamma, self.damping = lr, beta, gamma, damping
@@ -154,7 +168,7 @@ class Floor:
         self.params = [p for m in layers for p in (m.weight, m.bias)]
         self.data = [p.detach() for p in self.params]  # written in place outside autograd
         self.moms = [torch.zeros_like(p) for p in self.params]
-        self.scales = [v for i in range(L) for v in (self.F[i, :, :d_in], self.F[i, :, d_in])]
+        self.scales = _weight_and_bias_views(self.F)
         for i, layer in enumerate(layers):
             layer.register_forward_hook(self._forward_hook(self.h_new[i, :d_in], self.s_new[i]))
 
@@ -234,9 +248,8 @@ class KfacFloor:
     def __init__(
         self, model, lr, momentum=0.9, damping=1e-3, stat_decay=0.95, invert_every_step=False
     ):
-        self.layers = layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
-        d_out, d_in = layers[0].weight.shape
-        assert all(m.weight.shape == (d_out, d_in) and m.bias is not None for m in layers)
+        layers, d_out, d_in = _linear_layers(model)
+        self.layers = layers
         L, k, weight = len(layers), d_in + 1, layers[0].weight
         self.lr, self.momentum, self.decay = lr, momentum, stat_decay
         self.root, self.invert_every_step = math.sqrt(damping), invert_every_step
@@ -247,8 +260,8 @@ class KfacFloor:
         self.grads, self.naturals = weight.new_zeros(L, d_out, k), weight.new_zeros(L, d_out, k)
         self.params = [p for m in layers for p in (m.weight, m.bias)]
         self.data = [p.detach() for p in self.params]  # written in place outside autograd
-        self.grad_views = [v for G in self.grads for v in (G[:, :d_in], G[:, d_in])]
-        self.directions = [v for D in self.naturals for v in (D[:, :d_in], D[:, d_in])]
+        self.grad_views = _weight_and_bias_views(self.grads)
+        self.directions = _weight_and_bias_views(self.naturals)
         self.bufs = [torch.zeros_like(p) for p in self.params]
         for i, layer in enumerate(layers):
             layer.register_forward_hook(self._forward_hook(self.A_new[i], self.G_new[i]))
