@@ -6,7 +6,8 @@ and C Cᵀ into stacked forms and precondition into one (L, d_C, d_K) tensor, th
 one gradient-sized allocation: dense and arrow products run batched and in place on a
 stacked copy of the gradients, block-diagonal ones read the gradients where they lie (a
 few strided batched products per layer). The state stays per parameter (the checkpoint
-layout does not change); stacking copies are made on the fly.
+layout does not change); SINGD's factors are rows of kept stacks
+(:class:`ResidentStacks`), other stacking copies are made on the fly.
 """
 
 from __future__ import annotations
@@ -89,6 +90,78 @@ def _stacks(vectors: Sequence[Tensor], outs: Sequence[Tensor]) -> list[tuple]:
         set_outs = [outs[i] for i in indices]
         sets.append((indices, stack, list(stack.unbind()), sums, list(sums.unbind()), set_outs))
     return sets
+
+
+# bytes: where the allocators start a tensor. A stack's rows start on such a boundary, as
+# tensors of their own would: some CPU GEMM kernels round differently at other alignments
+# (float64 products of a row view at an odd offset were seen to)
+_ROW_ALIGNMENT = 64
+
+
+class ResidentStacks:
+    """State entries of a group of layers as the rows of one stack per entry, so that the
+    group's update reads and writes them a few calls for all, with no Python object per
+    row and step (a gathering ``torch.stack`` per part remains, and a scattering copy per
+    part where the rows are padded).
+
+    :meth:`of` returns, for states of equal layout (the same ``sides``, each a dict of
+    named parts of equal shapes, dtypes and device from state to state), the stacks
+    {side: {name: (L, *shape)}} whose rows are ``state[side][name]``. The first call, and
+    a call after an entry was replaced (``load_state_dict`` puts new tensors in the
+    state), copies the entries into new stacks and puts the stacks' rows into the states
+    in their place: the same values, shapes and dtypes, each row aligned as a tensor of its
+    own (:data:`_ROW_ALIGNMENT`; a stack whose rows are padded for it is not contiguous),
+    now views of the stacks (a saved state dict or DCP checkpoint holds only the rows). A
+    state dict taken before that call still refers to the replaced tensors.
+    """
+
+    def __init__(self) -> None:
+        # id of the first state -> (states, their entries as put in, stacks)
+        self._kept: dict[int, tuple[list[dict], list[Tensor], dict]] = {}
+
+    def of(self, states: Sequence[dict], sides: tuple[str, ...]) -> dict[str, dict[str, Tensor]]:
+        kept = self._kept.get(id(states[0]))
+        if (
+            kept is not None
+            and len(kept[0]) == len(states)
+            and all(map(operator.is_, _entries(states, sides), kept[1]))
+        ):
+            return kept[2]
+        stacks = {
+            side: {
+                name: _aligned_stack([s[side][name] for s in states]) for name in states[0][side]
+            }
+            for side in sides
+        }
+        for side, parts in stacks.items():
+            for name, stack in parts.items():
+                for state, row in zip(states, stack.unbind(0), strict=True):
+                    state[side][name] = row
+        # stacks none of whose states holds their rows any more would only hold memory
+        self._kept = {
+            key: entry
+            for key, entry in self._kept.items()
+            if all(map(operator.is_, _entries(entry[0], sides), entry[1]))
+        }
+        self._kept[id(states[0])] = (list(states), _entries(states, sides), stacks)
+        return stacks
+
+
+def _aligned_stack(tensors: Sequence[Tensor]) -> Tensor:
+    """Copies of ``tensors`` (equal shapes, dtypes and device) as the rows of a new (L,
+    *shape) stack, each row starting on a :data:`_ROW_ALIGNMENT` boundary."""
+    first = tensors[0]
+    size = first.element_size()
+    row = -(-first.numel() * size // _ROW_ALIGNMENT) * _ROW_ALIGNMENT // size  # padded
+    buffer = first.new_empty((len(tensors), row))
+    stack = buffer[:, : first.numel()].unflatten(1, first.shape)
+    torch._foreach_copy_(list(stack.unbind(0)), list(tensors))
+    return stack
+
+
+def _entries(states: Sequence[dict], sides: tuple[str, ...]) -> list[Tensor]:
+    """The entries ``state[side][name]`` of every state, state by state."""
+    return [part for state in states for side in sides for part in state[side].values()]
 
 
 def stacked_gradients(

@@ -29,7 +29,14 @@ from .base import KroneckerOptimizer, checked_fallback
 from .derived import DerivedCache, GroupCache
 from .factor_memory import warn_large_factors
 from .graft import graft_
-from .grouped import StackedProduct, StackedSums, partition, split_matrices, stacked_gradients
+from .grouped import (
+    ResidentStacks,
+    StackedProduct,
+    StackedSums,
+    partition,
+    split_matrices,
+    stacked_gradients,
+)
 from .rule import LayerRule, scheduled
 from .scale_out import DEFAULT_BUCKET_CAP_MB
 from .write import sgd_update_
@@ -73,6 +80,7 @@ class SingdRule(LayerRule):
         self._squares = DerivedCache()  # diagonal path: DiagonalSquares between factor updates
         self._outer = DerivedCache()  # (C Cᵀ or None, K Kᵀ or None) between factor updates
         self._stacked = GroupCache()  # the same of groups of layers, stacked
+        self._resident = ResidentStacks()  # the factors of groups of layers, as stacks
         self._views = DiagonalViews()  # diagonal path: the parameters' views, between steps
         self._kept = KeptBatch()  # diagonal path: the last batch's lists, between steps
         self._traces, self._means = StackedSums(), StackedSums()  # diagonal path: their sums
@@ -279,7 +287,8 @@ class SingdRule(LayerRule):
 
     def update_factors_many(self, layers, group, states, pendings, step: int) -> None:
         """Every layer's :meth:`update_factors`, as one stack: one op call per operation
-        (``torch.func.vmap`` over the per-layer math) instead of one per layer."""
+        instead of one per layer (the per-layer math on stacked parts for ``batched``
+        structures, else ``torch.func.vmap`` over it)."""
         if group["normalize_lr_cov"] or len(layers) == 1:  # normalize: a per-layer max
             super().update_factors_many(layers, group, states, pendings, step)
             return
@@ -299,16 +308,18 @@ class SingdRule(LayerRule):
             alpha1=0.0 if group["kfac_like"] else group["alpha1"],
             kfac_like=group["kfac_like"],
         )
-        factors = {side: _stack([state[side] for state in states]) for side in _SIDES}
+        resident = self._resident.of(states, _SIDES)  # the stacks of every layer's factors
+        # contiguous, as the update's batched products take them (a copy of padded rows)
+        factors = {side: _contiguous(parts) for side, parts in resident.items()}
         H_K = _stack([pending["in"].parts for pending in pendings])
         H_C = _stack([pending["out"].parts for pending in pendings])
-        new = torch.func.vmap(update)(factors, H_K, H_C)
-        targets, sources = [], []
-        for side in _SIDES:
-            for name, stacked in new[side].items():
-                targets += [state[side][name] for state in states]
-                sources += list(stacked.unbind(0))
-        torch._foreach_copy_(targets, sources)
+        new = (update if S_K.batched and S_C.batched else torch.func.vmap(update))(
+            factors, H_K, H_C
+        )
+        for side, parts in resident.items():
+            for name, stack in parts.items():
+                if new[side][name] is not stack:  # (the update was not on the stack itself)
+                    stack.copy_(new[side][name])
 
     def _forget(self, *layers) -> None:
         """Mark every value derived from the layers' factors stale."""
@@ -442,6 +453,10 @@ _OUTER_SIDES = operator.itemgetter("C", "K")
 _STACKED = ("dense", "block_diagonal", "hierarchical", "diagonal")  # vmap-safe structures
 
 
+def _contiguous(parts: dict[str, Tensor]) -> dict[str, Tensor]:
+    return {name: part.contiguous() for name, part in parts.items()}
+
+
 def _stack(parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
     """Per-layer parts stacked along a new leading dimension (one copy per part name)."""
     return {name: torch.stack([p[name] for p in parts]) for name in parts[0]}
@@ -449,7 +464,11 @@ def _stack(parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
 
 def _stacked_times_transpose(S, d: int, parts: list[dict[str, Tensor]]) -> StackedProduct | None:
     """F Fᵀ of the factors F (structure ``S``, dimension ``d``) with these parts, every
-    layer's in one vmapped product; None when the product has no stacked form."""
+    layer's in one product (``batched`` structures) or one vmapped product; None when the
+    product has no stacked form."""
+    if S.batched:
+        P = S.from_parts(d, _stack(parts)).times_transpose()
+        return StackedProduct.like(P, P.parts) if StackedProduct.stackable(P) else None
     formed: list = []
 
     def product(layer_parts: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -464,9 +483,10 @@ def _stacked_times_transpose(S, d: int, parts: list[dict[str, Tensor]]) -> Stack
 
 
 def _stacked_factor_update(S_K, S_C, d_K: int, d_C: int, factors, H_K, H_C, **hyper):
-    """One layer's SINGD factor update as a function of its parts (vmapped over a stack
-    by :meth:`SingdRule.update_factors_many`): :func:`_factor_step` on structured
-    matrices over the parts. Returns the new parts {side: {name: tensor}}."""
+    """SINGD's factor update as a function of the parts (stacked parts, a leading layer
+    dimension, for ``batched`` structures; one layer's, vmapped over a stack by
+    :meth:`SingdRule.update_factors_many`, for the others): :func:`_factor_step` on
+    structured matrices over the parts. Returns the new parts {side: {name: tensor}}."""
     f = {
         side: (S_K if side.endswith("K") else S_C)(d_K if side.endswith("K") else d_C, **parts)
         for side, parts in factors.items()

@@ -72,6 +72,11 @@ class StructuredMatrix(ABC):
     structured_times_transpose: ClassVar[bool] = False
     # the dense family (dense.py, which builds on this module, registers it on definition)
     _dense: ClassVar[type[StructuredMatrix] | None] = None
+    # the parts may carry leading batch dimensions, one matrix per index (a stack of
+    # layers' factors): the SINGD update's methods (project_inner, trace, average_trace,
+    # add_, mul_, add_identity_, @, times_transpose, to) act per matrix, so a stack
+    # updates in one call per operation, the same operations as one matrix at a time
+    batched: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -182,7 +187,8 @@ class StructuredMatrix(ABC):
 
     @abstractmethod
     def trace(self) -> Tensor:
-        """Scalar tensor: the trace, in the accumulation dtype."""
+        """Scalar tensor: the trace, in the accumulation dtype (of the batch shape for a
+        stack, ``batched``)."""
 
     # --------------------------------------------------------- K Kᵀ in a cheap form
     @classmethod
@@ -261,9 +267,14 @@ class StructuredMatrix(ABC):
         return self
 
     def mul_(self, scalar: float | Tensor) -> StructuredMatrix:
-        """self *= scalar, in place."""
+        """self *= scalar, in place; ``scalar``: a number, a 0-dim tensor or, for a stack
+        of matrices (``batched``), a tensor of the batch shape (one scalar per matrix)."""
+        per_matrix = isinstance(scalar, Tensor) and scalar.dim() > 0
         for part in self.parts.values():
-            store_(part, upcast(part).mul_(scalar))
+            factor = scalar
+            if per_matrix:  # (batch..., 1, ..., 1): broadcast over each matrix's part
+                factor = scalar.reshape(*scalar.shape, *(1,) * (part.dim() - scalar.dim()))
+            store_(part, upcast(part).mul_(factor))
         return self
 
     def add_identity_(self, alpha: float = 1.0) -> StructuredMatrix:

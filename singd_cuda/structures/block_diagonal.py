@@ -19,7 +19,8 @@ class BlockDiagonal(StructuredMatrix):
     * part ``last``: (r, r), the smaller trailing block L (shape (0, 0) when b divides d).
 
     A block size >= d gives one d x d block, i.e. the dense family. All products
-    are batched matmuls over ``blocks`` plus one matmul with ``last``.
+    are batched matmuls over ``blocks`` plus one matmul with ``last``. A stack of L
+    matrices (``batched``) has parts (L, n, b, b) and (L, r, r).
     """
 
     name = "block_diagonal"
@@ -27,6 +28,7 @@ class BlockDiagonal(StructuredMatrix):
     default_values = (32,)
     part_names = ("blocks", "last")
     structured_times_transpose = True
+    batched = True
     block_size: ClassVar[int]
 
     @classmethod
@@ -140,7 +142,7 @@ class BlockDiagonal(StructuredMatrix):
         mine, theirs = self.parts, other.parts
         return type(self)(
             self.dim,
-            blocks=torch.bmm(mine["blocks"].to(acc), theirs["blocks"].to(acc)).to(self.dtype),
+            blocks=torch.matmul(mine["blocks"].to(acc), theirs["blocks"].to(acc)).to(self.dtype),
             last=(mine["last"].to(acc) @ theirs["last"].to(acc)).to(self.dtype),
         )
 
@@ -149,20 +151,19 @@ class BlockDiagonal(StructuredMatrix):
         blocks, last = upcast(self.parts["blocks"]), upcast(self.parts["last"])
         return type(self)(
             self.dim,
-            blocks=torch.bmm(blocks.transpose(1, 2), blocks).to(self.dtype),
-            last=(last.T @ last).to(self.dtype),
+            blocks=torch.matmul(blocks.mT, blocks).to(self.dtype),
+            last=(last.mT @ last).to(self.dtype),
         )
 
     def trace(self) -> Tensor:
         blocks, last = upcast(self.parts["blocks"]), upcast(self.parts["last"])
-        return blocks.diagonal(dim1=1, dim2=2).sum() + last.diagonal().sum()
+        blocks_trace = blocks.diagonal(dim1=-2, dim2=-1).sum((-2, -1))
+        return blocks_trace + last.diagonal(dim1=-2, dim2=-1).sum(-1)
 
     def times_transpose(self) -> BlockDiagonal:
         """The blockwise K_k K_kᵀ."""
         blocks, last = upcast(self.parts["blocks"]), upcast(self.parts["last"])
-        return type(self)(
-            self.dim, blocks=torch.bmm(blocks, blocks.transpose(1, 2)), last=last @ last.T
-        )
+        return type(self)(self.dim, blocks=torch.matmul(blocks, blocks.mT), last=last @ last.mT)
 
     @classmethod
     def row_width(cls, d: int) -> int:

@@ -9,11 +9,12 @@ from .base import ACCUMULATES_IN, StructuredMatrix, store_, upcast
 
 
 class Dense(StructuredMatrix):
-    """A general d x d matrix. Part ``mat``: (d, d)."""
+    """A general d x d matrix. Part ``mat``: (d, d); (L, d, d) for a stack (``batched``)."""
 
     name = "dense"
     part_names = ("mat",)
     structured_times_transpose = True
+    batched = True
 
     @classmethod
     def from_dense(cls, M: Tensor) -> Dense:
@@ -25,8 +26,8 @@ class Dense(StructuredMatrix):
 
     @classmethod
     def project_gram(cls, Y: Tensor) -> Dense:
-        Y32 = upcast(Y)
-        return cls(Y.shape[1], mat=(Y32.T @ Y32).to(Y.dtype))
+        Y32 = upcast(Y)  # (N, d), or (L, N, d) for a stack
+        return cls(Y.shape[-1], mat=(Y32.mT @ Y32).to(Y.dtype))
 
     @classmethod
     def eye(cls, d: int, dtype: torch.dtype = torch.float32, device=None) -> Dense:
@@ -64,13 +65,13 @@ class Dense(StructuredMatrix):
         return type(self).project_gram(self.parts["mat"])
 
     def trace(self) -> Tensor:
-        return upcast(self.parts["mat"]).diagonal().sum()
+        return upcast(self.parts["mat"]).diagonal(dim1=-2, dim2=-1).sum(-1)
 
     def add_identity_(self, alpha: float = 1.0) -> Dense:
-        diag = self.parts["mat"].diagonal()
+        diag = self.parts["mat"].diagonal(dim1=-2, dim2=-1)
         store_(diag, upcast(diag).add_(alpha))
         return self
 
     def times_transpose(self) -> Dense:
         mat = upcast(self.parts["mat"])
-        return type(self)(self.dim, mat=mat @ mat.T)
+        return type(self)(self.dim, mat=mat @ mat.mT)

@@ -305,3 +305,70 @@ def test_block_diagonal_rows_in_any_chunks_are_the_dense_product_bitwise(dtype, 
         expected = (dense @ X[layer].double()).to(dtype)
         tolerance = 1e-12 if dtype is torch.float64 else 2e-2
         torch.testing.assert_close(whole[layer], expected, rtol=tolerance, atol=tolerance)
+
+
+def _body_factors(model, opt, side="K", name="mat") -> list[torch.Tensor]:
+    """The ``side`` factor part of the three 12 → 12 layers with bias (one group)."""
+    return [opt.state[model.body[i].weight][side][name] for i in (0, 2, 4)]
+
+
+@pytest.mark.parametrize("case", ["dense", "kfac_like-dense"])
+def test_factors_live_as_aligned_rows_of_one_stack_kept_between_steps(case):
+    """A group's factors are rows of one stack (ResidentStacks), each row starting where
+    a tensor of its own would (64 bytes); steps reuse the stack; a load puts new tensors
+    in the state, which the next factor update stacks again, and training goes on exactly
+    as without the load."""
+    data = batches(4 * T, torch.float32)
+    model, twin = Stack(torch.float32), Stack(torch.float32)
+    opt, twin_opt = make(model, **CASES[case]), make(twin, **CASES[case])
+    train(model, opt, data[: T + 1])
+    rows = _body_factors(model, opt)
+    storage = rows[0].untyped_storage().data_ptr()
+    assert all(row.untyped_storage().data_ptr() == storage for row in rows)
+    assert all(row.data_ptr() % 64 == 0 for row in rows)
+    assert len({row.data_ptr() for row in rows}) == 3
+    train(model, opt, data[T + 1 : 2 * T + 1])
+    assert all(a is b for a, b in zip(_body_factors(model, opt), rows, strict=True))
+
+    train(twin, twin_opt, data[: 2 * T + 1])
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    loaded = _body_factors(model, opt)
+    assert len({row.untyped_storage().data_ptr() for row in loaded}) == 3  # tensors of their own
+    train(model, opt, data[2 * T + 1 :])
+    train(twin, twin_opt, data[2 * T + 1 :])
+    restacked = _body_factors(model, opt)
+    assert len({row.untyped_storage().data_ptr() for row in restacked}) == 1
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda m: SINGD(m, lr=0.01, T=1),  # block_diagonal:32, the default
+        lambda m: SINGD(m, lr=0.01, T=1, structures="dense"),
+        lambda m: SINGD(m, lr=0.01, T=1, structures="diagonal"),
+        lambda m: SINGD(m, lr=0.01, T=2, structures="block_diagonal:5", kfac_like=True),
+    ],
+    ids=["block_diagonal", "dense", "diagonal", "kfac_like-T2"],
+)
+def test_a_steady_step_leaves_no_cyclic_garbage(make_opt):
+    """Steady-state iterations leave nothing for the garbage collector: a stacked factor
+    update makes no reference cycles (``torch.func.vmap`` makes some per call, so the
+    ``batched`` structures update without it)."""
+    import gc
+
+    model = Stack(torch.float32)
+    opt = make_opt(model)
+    data = batches(8, torch.float32)
+    train(model, opt, data[:4])
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        train(model, opt, data[4:])
+        gc.collect()
+        garbage = list(gc.garbage)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert garbage == []
