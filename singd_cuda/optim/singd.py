@@ -392,12 +392,13 @@ class SingdRule(LayerRule):
                     return (None, None)
                 return tuple(StackedProduct.stack(side) for side in zip(*pairs, strict=True))
             # a stack (vmap-safe structures, equal shapes): the first layer decides, and
-            # each side's products are formed in one vmapped call
+            # each side's products are formed in one call over the stacked factors
             f = self._factors(layers[0], group, states[0][0])
             if not all(self._formed_sides(layers[0], group, f, step)):
                 return (None, None)
+            resident = self._resident.of([s[0] for s in states], _SIDES)
             products = tuple(
-                _stacked_times_transpose(type(f[side]), f[side].dim, [s[0][side] for s in states])
+                _stacked_times_transpose(type(f[side]), f[side].dim, _contiguous(resident[side]))
                 for side in ("C", "K")
             )
             return (None, None) if None in products else products
@@ -462,12 +463,12 @@ def _stack(parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
     return {name: torch.stack([p[name] for p in parts]) for name in parts[0]}
 
 
-def _stacked_times_transpose(S, d: int, parts: list[dict[str, Tensor]]) -> StackedProduct | None:
-    """F Fᵀ of the factors F (structure ``S``, dimension ``d``) with these parts, every
-    layer's in one product (``batched`` structures) or one vmapped product; None when the
-    product has no stacked form."""
+def _stacked_times_transpose(S, d: int, parts: dict[str, Tensor]) -> StackedProduct | None:
+    """F Fᵀ of the factors F (structure ``S``, dimension ``d``) whose parts are stacked in
+    ``parts`` (a leading layer dimension), every layer's in one product (``batched``
+    structures) or one vmapped product; None when the product has no stacked form."""
     if S.batched:
-        P = S.from_parts(d, _stack(parts)).times_transpose()
+        P = S.from_parts(d, parts).times_transpose()
         return StackedProduct.like(P, P.parts) if StackedProduct.stackable(P) else None
     formed: list = []
 
@@ -476,7 +477,7 @@ def _stacked_times_transpose(S, d: int, parts: list[dict[str, Tensor]]) -> Stack
         formed.append(P)  # its type and k1, read below (the values are batched)
         return P.parts
 
-    stacked = torch.func.vmap(product)(_stack(parts))
+    stacked = torch.func.vmap(product)(parts)
     if not StackedProduct.stackable(formed[0]):
         return None
     return StackedProduct.like(formed[0], stacked)
