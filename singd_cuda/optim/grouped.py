@@ -101,50 +101,64 @@ _ROW_ALIGNMENT = 64
 class ResidentStacks:
     """State entries of a group of layers as the rows of one stack per entry, so that the
     group's update reads and writes them a few calls for all, with no Python object per
-    row and step (a gathering ``torch.stack`` per part remains, and a scattering copy per
-    part where the rows are padded).
+    row and step.
 
-    :meth:`of` returns, for states of equal layout (the same ``sides``, each a dict of
-    named parts of equal shapes, dtypes and device from state to state), the stacks
-    {side: {name: (L, *shape)}} whose rows are ``state[side][name]``. The first call, and
-    a call after an entry was replaced (``load_state_dict`` puts new tensors in the
-    state), copies the entries into new stacks and puts the stacks' rows into the states
-    in their place: the same values, shapes and dtypes, each row aligned as a tensor of its
-    own (:data:`_ROW_ALIGNMENT`; a stack whose rows are padded for it is not contiguous),
-    now views of the stacks (a saved state dict or DCP checkpoint holds only the rows). A
-    state dict taken before that call still refers to the replaced tensors.
+    Made for the entries under ``keys`` of each state: tensors, or with ``named`` dicts of
+    named tensors (a structured factor's parts). :meth:`of` returns, for states of equal
+    layout (equal shapes, dtypes and device from state to state), the stacks {key: (L,
+    *shape)} (with ``named``: {key: {name: (L, *shape)}}) whose rows are the states'
+    entries. The first call, and a call after an entry was replaced (``load_state_dict``
+    puts new tensors in the state), copies the entries into new stacks and puts the
+    stacks' rows into the states in their place: the same values, shapes and dtypes, each
+    row aligned as a tensor of its own (:data:`_ROW_ALIGNMENT`; a stack whose rows are
+    padded for it is not contiguous), now views of the stacks (a saved state dict or DCP
+    checkpoint holds only the rows). A state dict taken before that call still refers to
+    the replaced tensors.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, keys: tuple[str, ...], named: bool) -> None:
+        self._keys, self._named = keys, named
         # id of the first state -> (states, their entries as put in, stacks)
         self._kept: dict[int, tuple[list[dict], list[Tensor], dict]] = {}
 
-    def of(self, states: Sequence[dict], sides: tuple[str, ...]) -> dict[str, dict[str, Tensor]]:
+    def of(self, states: Sequence[dict]) -> dict:
         kept = self._kept.get(id(states[0]))
         if (
             kept is not None
             and len(kept[0]) == len(states)
-            and all(map(operator.is_, _entries(states, sides), kept[1]))
+            and all(map(operator.is_, self._entries(states), kept[1]))
         ):
             return kept[2]
-        stacks = {
-            side: {
-                name: _aligned_stack([s[side][name] for s in states]) for name in states[0][side]
+        if self._named:
+            stacks = {
+                key: {
+                    name: _aligned_stack([s[key][name] for s in states]) for name in states[0][key]
+                }
+                for key in self._keys
             }
-            for side in sides
-        }
-        for side, parts in stacks.items():
-            for name, stack in parts.items():
+            for key, parts in stacks.items():
+                for name, stack in parts.items():
+                    for state, row in zip(states, stack.unbind(0), strict=True):
+                        state[key][name] = row
+        else:
+            stacks = {key: _aligned_stack([s[key] for s in states]) for key in self._keys}
+            for key, stack in stacks.items():
                 for state, row in zip(states, stack.unbind(0), strict=True):
-                    state[side][name] = row
+                    state[key] = row
         # stacks none of whose states holds their rows any more would only hold memory
         self._kept = {
-            key: entry
-            for key, entry in self._kept.items()
-            if all(map(operator.is_, _entries(entry[0], sides), entry[1]))
+            first: entry
+            for first, entry in self._kept.items()
+            if all(map(operator.is_, self._entries(entry[0]), entry[1]))
         }
-        self._kept[id(states[0])] = (list(states), _entries(states, sides), stacks)
+        self._kept[id(states[0])] = (list(states), self._entries(states), stacks)
         return stacks
+
+    def _entries(self, states: Sequence[dict]) -> list[Tensor]:
+        """The entries of every state, state by state."""
+        if self._named:
+            return [part for state in states for key in self._keys for part in state[key].values()]
+        return [state[key] for state in states for key in self._keys]
 
 
 def _aligned_stack(tensors: Sequence[Tensor]) -> Tensor:
@@ -157,11 +171,6 @@ def _aligned_stack(tensors: Sequence[Tensor]) -> Tensor:
     stack = buffer[:, : first.numel()].unflatten(1, first.shape)
     torch._foreach_copy_(list(stack.unbind(0)), list(tensors))
     return stack
-
-
-def _entries(states: Sequence[dict], sides: tuple[str, ...]) -> list[Tensor]:
-    """The entries ``state[side][name]`` of every state, state by state."""
-    return [part for state in states for side in sides for part in state[side].values()]
 
 
 def stacked_gradients(

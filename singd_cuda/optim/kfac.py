@@ -34,7 +34,7 @@ from .base import KroneckerOptimizer, checked_fallback
 from .derived import GroupCache
 from .factor_memory import warn_large_factors
 from .graft import graft_
-from .grouped import partition, split_matrices, stacked_gradients
+from .grouped import ResidentStacks, partition, split_matrices, stacked_gradients
 from .rule import LayerRule, scheduled
 from .scale_out import DEFAULT_BUCKET_CAP_MB
 from .write import sgd_update_
@@ -66,6 +66,9 @@ def invert_into(factors: list[Tensor], targets: list[Tensor], damping: float, me
 # values of the stacked inverses a group of small layers keeps between inversions
 SMALL_STACK = 2**16
 _INVERSES = operator.itemgetter("G_inv", "A_inv")
+_SHAPES = operator.attrgetter("dim_in", "dim_out")
+_FACTOR_UPDATES = operator.itemgetter("factor_updates")
+_SIDES = (("A", "in"), ("G", "out"))  # (factor, its statistics in ``pending``)
 
 
 def _stack_key(layer: Layer, state: dict) -> tuple:
@@ -79,11 +82,33 @@ def _natural(state: dict, G: Tensor) -> Tensor:
     return state["G_inv"].to(G.dtype) @ G @ state["A_inv"].to(G.dtype)
 
 
+def _ema_each(states: list[dict], pendings: list[dict], group: dict) -> None:
+    """The factor EMA of each layer, one multi-tensor multiply and add per decay (a
+    low-precision factor's EMA runs in its statistics' dtype, then is stored back)."""
+    by_decay: dict[float, tuple[list[Tensor], list[Tensor]]] = {}
+    casts: list[tuple[Tensor, Tensor]] = []  # (low-precision factor, its EMA)
+    for state, pending in zip(states, pendings, strict=True):
+        decay = group["stat_decay"] if state["factor_updates"] > 0 else 0.0
+        emas, news = by_decay.setdefault(decay, ([], []))
+        for key, side in _SIDES:
+            ema, new = state[key], pending[side]
+            if ema.dtype != new.dtype:
+                casts.append((ema, ema := ema.to(new.dtype)))
+            emas.append(ema)
+            news.append(new)
+    for decay, (emas, news) in by_decay.items():
+        torch._foreach_mul_(emas, decay)
+        torch._foreach_add_(emas, news, alpha=1.0 - decay)
+    for factor, ema in casts:
+        factor.copy_(ema)
+
+
 class KfacRule(LayerRule):
     """K-FAC's factor EMA, damped inversion and preconditioning for one layer."""
 
     def __init__(self) -> None:
         self._stacked = GroupCache()  # stacked inverses of small layers, between inversions
+        self._resident = ResidentStacks(("A", "G"), named=False)  # factors of equal shapes
 
     def init_state(self, layer: Layer, group: dict, state: dict) -> None:
         dtype = group["factor_dtype"] or layer.weight.dtype
@@ -115,27 +140,21 @@ class KfacRule(LayerRule):
         return ("kfac", dtype) if dtype == accumulation_dtype(layer.weight.dtype) else None
 
     def update_factors_many(self, layers, group, states, pendings, step: int) -> None:
-        """A ← decay·A + (1 − decay)·A_new and G likewise for every layer, one multi-tensor
-        multiply and add per decay (the first update of a layer takes its statistics as
-        they are), then the inversions that are due, one :func:`invert_into` per factor
-        shape."""
-        by_decay: dict[float, tuple[list[Tensor], list[Tensor]]] = {}
-        casts: list[tuple[Tensor, Tensor]] = []  # (low-precision factor, its EMA)
-        for state, pending in zip(states, pendings, strict=True):
-            # the first update takes the statistics as they are (no bias towards zero)
-            decay = group["stat_decay"] if state["factor_updates"] > 0 else 0.0
-            emas, news = by_decay.setdefault(decay, ([], []))
-            for key, new in (("A", pending["in"]), ("G", pending["out"])):
-                ema = state[key]
-                if ema.dtype != new.dtype:
-                    casts.append((ema, ema := ema.to(new.dtype)))
-                emas.append(ema)
-                news.append(new)
-        for decay, (emas, news) in by_decay.items():
-            torch._foreach_mul_(emas, decay)
-            torch._foreach_add_(emas, news, alpha=1.0 - decay)
-        for factor, ema in casts:
-            factor.copy_(ema)
+        """A ← decay·A + (1 − decay)·A_new and G likewise for every layer (the first update
+        of a layer takes its statistics as they are): for layers of equal shapes at the
+        same decay one multiply and add per factor on the stack of their factors
+        (:class:`~.grouped.ResidentStacks`), for the others one multi-tensor multiply and
+        add per decay; then the inversions that are due, one :func:`invert_into` per
+        factor shape."""
+        rest: list[int] = []  # layers updated tensor by tensor
+        for part in partition(range(len(layers)), lambda i: _SHAPES(layers[i])):
+            part_states = [states[i] for i in part]
+            if len(part) == 1 or not self._ema_stacked(
+                part_states, [pendings[i] for i in part], group
+            ):
+                rest += part
+        if rest:
+            _ema_each([states[i] for i in rest], [pendings[i] for i in rest], group)
         due: dict[tuple, tuple[list[Tensor], list[Tensor]]] = {}  # by shape, dtype, device
         for layer, state in zip(layers, states, strict=True):
             state["factor_updates"] += 1
@@ -154,6 +173,23 @@ class KfacRule(LayerRule):
             root = math.sqrt(scheduled(group["damping"], step))
             for factors, targets in due.values():
                 invert_into(factors, targets, root, group["inverse"])
+
+    def _ema_stacked(self, states: list[dict], pendings: list[dict], group: dict) -> bool:
+        """The EMA of layers of equal shapes on the stacks of their factors, when every
+        factor holds its statistics' dtype and every layer takes the same decay; False
+        (nothing done) otherwise. Elementwise, so bitwise the same as one tensor at a time."""
+        counts = list(map(_FACTOR_UPDATES, states))
+        first = pendings[0]
+        if (min(counts) > 0) != (max(counts) > 0) or any(
+            states[0][key].dtype != first[side].dtype for key, side in _SIDES
+        ):
+            return False
+        decay = group["stat_decay"] if counts[0] > 0 else 0.0
+        stacks = self._resident.of(states)
+        for key, side in _SIDES:
+            news = torch.stack([pending[side] for pending in pendings])
+            stacks[key].mul_(decay).add_(news, alpha=1.0 - decay)
+        return True
 
     def apply(self, layer, group, states, G: Tensor, step: int, seed: int, found_inf=None):
         """G_inv ∇W A_inv, grafted, then momentum SGD with weight decay."""

@@ -80,7 +80,7 @@ class SingdRule(LayerRule):
         self._squares = DerivedCache()  # diagonal path: DiagonalSquares between factor updates
         self._outer = DerivedCache()  # (C Cᵀ or None, K Kᵀ or None) between factor updates
         self._stacked = GroupCache()  # the same of groups of layers, stacked
-        self._resident = ResidentStacks()  # the factors of groups of layers, as stacks
+        self._resident = ResidentStacks(_SIDES, named=True)  # groups' factors, as stacks
         self._views = DiagonalViews()  # diagonal path: the parameters' views, between steps
         self._kept = KeptBatch()  # diagonal path: the last batch's lists, between steps
         self._traces, self._means = StackedSums(), StackedSums()  # diagonal path: their sums
@@ -308,7 +308,7 @@ class SingdRule(LayerRule):
             alpha1=0.0 if group["kfac_like"] else group["alpha1"],
             kfac_like=group["kfac_like"],
         )
-        resident = self._resident.of(states, _SIDES)  # the stacks of every layer's factors
+        resident = self._resident.of(states)  # the stacks of every layer's factors
         # contiguous, as the update's batched products take them (a copy of padded rows)
         factors = {side: _contiguous(parts) for side, parts in resident.items()}
         H_K = _stack([pending["in"].parts for pending in pendings])
@@ -396,7 +396,7 @@ class SingdRule(LayerRule):
             f = self._factors(layers[0], group, states[0][0])
             if not all(self._formed_sides(layers[0], group, f, step)):
                 return (None, None)
-            resident = self._resident.of([s[0] for s in states], _SIDES)
+            resident = self._resident.of([s[0] for s in states])
             products = tuple(
                 _stacked_times_transpose(type(f[side]), f[side].dim, _contiguous(resident[side]))
                 for side in ("C", "K")

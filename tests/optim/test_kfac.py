@@ -155,3 +155,60 @@ def test_capture_ggn_rejects_unknown_loss():
     opt = KFAC(net, fisher="ggn")
     with pytest.raises(ValueError, match="loss must be one of"):
         opt.capture_ggn(net(torch.randn(3, 2)), "hinge")
+
+
+class _Repeated(nn.Module):
+    """Three 6 → 6 layers (one stack), a 6 → 6 layer without bias and a head: mixed shapes."""
+
+    def __init__(self, dtype) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(*(m for _ in range(3) for m in (nn.Linear(6, 6), nn.Tanh())))
+        self.plain = nn.Linear(6, 6, bias=False)
+        self.head = nn.Linear(6, 3)
+        self.to(dtype)
+        self.idle = ()  # indices of body modules the forward skips
+
+    def forward(self, x):
+        for index, module in enumerate(self.body):
+            if index not in self.idle:
+                x = module(x)
+        return self.head(torch.tanh(self.plain(x)))
+
+
+def _train_kfac(dtype, stacked: bool, late_layer: bool, **hyper) -> tuple[nn.Module, KFAC]:
+    model = _Repeated(dtype)
+    if late_layer:  # one layer of the stack is idle for two steps: its factors start late
+        model.idle = (2, 3)
+    opt = KFAC(model, lr=0.05, **hyper)
+    if not stacked:
+        opt._rule._ema_stacked = lambda *args: False
+    g = torch.Generator().manual_seed(1)
+    for step in range(6):
+        if step == 2:
+            model.idle = ()
+        x = torch.randn(8, 6, generator=g).to(dtype)
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    return model, opt
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize(
+    "hyper",
+    [dict(T=1), dict(T=2, T_inv=3, stat_decay=0.7), dict(T=1, inverse="eigen")],
+    ids=["T1", "T2-Tinv3", "eigen"],
+)
+@pytest.mark.parametrize("late_layer", [False, True], ids=["together", "late-layer"])
+def test_factor_ema_on_stacks_equals_one_tensor_at_a_time(dtype, hyper, late_layer):
+    """Layers of equal shapes update their factor EMA on the stack of their factors (the
+    factors are its aligned rows, kept between steps): bitwise what the EMA one tensor at
+    a time gives, a layer that starts late (another decay) included."""
+    model, opt = _train_kfac(dtype, True, late_layer, **hyper)
+    reference, _ = _train_kfac(dtype, False, late_layer, **hyper)
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(a, b)
+    factors = [opt.state[model.body[i].weight]["A"] for i in (0, 2, 4)]
+    assert len({f.untyped_storage().data_ptr() for f in factors}) == 1
+    assert all(f.data_ptr() % 64 == 0 for f in factors)
