@@ -6,7 +6,7 @@ and C Cᵀ into stacked forms and precondition into one (L, d_C, d_K) tensor, th
 one gradient-sized allocation: dense and arrow products run batched and in place on a
 stacked copy of the gradients, block-diagonal ones read the gradients where they lie (a
 few strided batched products per layer). The state stays per parameter (the checkpoint
-layout does not change); SINGD's factors are rows of kept stacks
+layout does not change); SINGD's and K-FAC's factors are rows of kept stacks
 (:class:`ResidentStacks`), other stacking copies are made on the fly.
 """
 
