@@ -104,8 +104,8 @@ class ResidentStacks:
     row and step.
 
     Made for the entries under ``keys`` of each state: tensors, or with ``named`` dicts of
-    named tensors (a structured factor's parts). :meth:`of` returns, for states of equal
-    layout (equal shapes, dtypes and device from state to state), the stacks {key: (L,
+    named tensors (a structured factor's parts). :meth:`of` returns, for the states of
+    ``layers`` (equal shapes, dtypes and device from state to state), the stacks {key: (L,
     *shape)} (with ``named``: {key: {name: (L, *shape)}}) whose rows are the states'
     entries. The first call, and a call after an entry was replaced (``load_state_dict``
     puts new tensors in the state), copies the entries into new stacks and puts the
@@ -113,19 +113,22 @@ class ResidentStacks:
     row aligned as a tensor of its own (:data:`_ROW_ALIGNMENT`; a stack whose rows are
     padded for it is not contiguous), now views of the stacks (a saved state dict or DCP
     checkpoint holds only the rows). A state dict taken before that call still refers to
-    the replaced tensors.
+    the replaced tensors. A layer belongs to the stacks of its last call only: the stacks
+    kept for other calls with one of its layers are let go then (after a load, the
+    replaced stacks are held until the next call for their layers).
     """
 
     def __init__(self, keys: tuple[str, ...], named: bool) -> None:
         self._keys, self._named = keys, named
-        # id of the first state -> (states, their entries as put in, stacks)
-        self._kept: dict[int, tuple[list[dict], list[Tensor], dict]] = {}
+        # id of the first layer -> (layers, their states' entries as put in, stacks)
+        self._kept: dict[int, tuple[list, list[Tensor], dict]] = {}
 
-    def of(self, states: Sequence[dict]) -> dict:
-        kept = self._kept.get(id(states[0]))
+    def of(self, layers: Sequence, states: Sequence[dict]) -> dict:
+        kept = self._kept.get(id(layers[0]))
         if (
             kept is not None
-            and len(kept[0]) == len(states)
+            and len(kept[0]) == len(layers)
+            and all(map(operator.is_, layers, kept[0]))
             and all(map(operator.is_, self._entries(states), kept[1]))
         ):
             return kept[2]
@@ -145,13 +148,13 @@ class ResidentStacks:
             for key, stack in stacks.items():
                 for state, row in zip(states, stack.unbind(0), strict=True):
                     state[key] = row
-        # stacks none of whose states holds their rows any more would only hold memory
+        members = set(map(id, layers))
         self._kept = {
             first: entry
             for first, entry in self._kept.items()
-            if all(map(operator.is_, self._entries(entry[0]), entry[1]))
+            if members.isdisjoint(map(id, entry[0]))
         }
-        self._kept[id(states[0])] = (list(states), self._entries(states), stacks)
+        self._kept[id(layers[0])] = (list(layers), self._entries(states), stacks)
         return stacks
 
     def _entries(self, states: Sequence[dict]) -> list[Tensor]:

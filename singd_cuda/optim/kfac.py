@@ -148,9 +148,11 @@ class KfacRule(LayerRule):
         factor shape."""
         rest: list[int] = []  # layers updated tensor by tensor
         for part in partition(range(len(layers)), lambda i: _SHAPES(layers[i])):
-            part_states = [states[i] for i in part]
             if len(part) == 1 or not self._ema_stacked(
-                part_states, [pendings[i] for i in part], group
+                [layers[i] for i in part],
+                [states[i] for i in part],
+                [pendings[i] for i in part],
+                group,
             ):
                 rest += part
         if rest:
@@ -174,7 +176,7 @@ class KfacRule(LayerRule):
             for factors, targets in due.values():
                 invert_into(factors, targets, root, group["inverse"])
 
-    def _ema_stacked(self, states: list[dict], pendings: list[dict], group: dict) -> bool:
+    def _ema_stacked(self, layers, states: list[dict], pendings: list[dict], group: dict) -> bool:
         """The EMA of layers of equal shapes on the stacks of their factors, when every
         factor holds its statistics' dtype and every layer takes the same decay; False
         (nothing done) otherwise. Elementwise, so bitwise the same as one tensor at a time."""
@@ -185,7 +187,7 @@ class KfacRule(LayerRule):
         ):
             return False
         decay = group["stat_decay"] if counts[0] > 0 else 0.0
-        stacks = self._resident.of(states)
+        stacks = self._resident.of(layers, states)
         for key, side in _SIDES:
             news = torch.stack([pending[side] for pending in pendings])
             stacks[key].mul_(decay).add_(news, alpha=1.0 - decay)

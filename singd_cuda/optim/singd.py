@@ -308,7 +308,7 @@ class SingdRule(LayerRule):
             alpha1=0.0 if group["kfac_like"] else group["alpha1"],
             kfac_like=group["kfac_like"],
         )
-        resident = self._resident.of(states)  # the stacks of every layer's factors
+        resident = self._resident.of(layers, states)  # the stacks of every layer's factors
         # contiguous, as the update's batched products take them (a copy of padded rows)
         factors = {side: _contiguous(parts) for side, parts in resident.items()}
         H_K = _stack([pending["in"].parts for pending in pendings])
@@ -396,7 +396,7 @@ class SingdRule(LayerRule):
             f = self._factors(layers[0], group, states[0][0])
             if not all(self._formed_sides(layers[0], group, f, step)):
                 return (None, None)
-            resident = self._resident.of([s[0] for s in states])
+            resident = self._resident.of(layers, [s[0] for s in states])
             products = tuple(
                 _stacked_times_transpose(type(f[side]), f[side].dim, _contiguous(resident[side]))
                 for side in ("C", "K")

@@ -372,3 +372,31 @@ def test_a_steady_step_leaves_no_cyclic_garbage(make_opt):
         gc.set_debug(0)
         gc.garbage.clear()
     assert garbage == []
+
+
+@pytest.mark.parametrize("optimizer", ["singd", "kfac"])
+def test_loads_leave_no_stack_behind(optimizer):
+    """After a load the next factor update stacks the loaded factors anew; the stacks they
+    replaced are let go (a loop that reloads checkpoints keeps one set of factors)."""
+    import gc
+    import weakref
+
+    from singd_cuda import KFAC
+
+    model = Stack(torch.float32)
+    if optimizer == "singd":
+        opt = SINGD(model, lr=0.01, T=1, structures="dense")
+        factor = lambda: opt.state[model.body[0].weight]["K"]["mat"]  # noqa: E731
+    else:
+        opt = KFAC(model, lr=0.01, T=1)
+        factor = lambda: opt.state[model.body[0].weight]["A"]  # noqa: E731
+    data = batches(8, torch.float32)
+    train(model, opt, data[:2])
+    replaced = []
+    for start in range(2, 8, 2):
+        replaced.append(weakref.ref(factor()._base))
+        opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        train(model, opt, data[start : start + 2])
+    gc.collect()
+    assert [ref() for ref in replaced] == [None] * len(replaced)
+    assert factor()._base is not None  # the loaded factors were stacked again
