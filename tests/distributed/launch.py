@@ -10,6 +10,7 @@ hang fails the test instead of blocking it.
 
 from __future__ import annotations
 
+import gc
 import socket
 import tempfile
 import time
@@ -44,6 +45,11 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, config, out: str
             result = fn(rank, world_size, config)
             dist.barrier()
         finally:
+            # reference cycles that still hold the group (sharded modules, their planners)
+            # are freed now, so that gloo's threads end while the interpreter is alive: a
+            # thread still running at its exit can abort the process ("terminate called
+            # without an active exception"; examples/fsdp_train.py)
+            gc.collect()
             dist.destroy_process_group()
         torch.save(result, path / f"{rank}.pt")
     except BaseException:
