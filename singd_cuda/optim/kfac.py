@@ -66,7 +66,8 @@ def invert_into(factors: list[Tensor], targets: list[Tensor], damping: float, me
 # values of the stacked inverses a group of small layers keeps between inversions
 SMALL_STACK = 2**16
 _INVERSES = operator.itemgetter("G_inv", "A_inv")
-_SHAPES = operator.attrgetter("dim_in", "dim_out")
+# layers whose factors can share a stack (the group holds one factor dtype, not one device)
+_STACKABLE = operator.attrgetter("dim_in", "dim_out", "weight.device")
 _FACTOR_UPDATES = operator.itemgetter("factor_updates")
 _SIDES = (("A", "in"), ("G", "out"))  # (factor, its statistics in ``pending``)
 
@@ -141,13 +142,13 @@ class KfacRule(LayerRule):
 
     def update_factors_many(self, layers, group, states, pendings, step: int) -> None:
         """A ← decay·A + (1 − decay)·A_new and G likewise for every layer (the first update
-        of a layer takes its statistics as they are): for layers of equal shapes at the
-        same decay one multiply and add per factor on the stack of their factors
-        (:class:`~.grouped.ResidentStacks`), for the others one multi-tensor multiply and
+        of a layer takes its statistics as they are): for layers of equal shapes and
+        device at the same decay one multiply and add per factor on the stack of their
+        factors (:class:`~.grouped.ResidentStacks`), for the others one multi-tensor multiply and
         add per decay; then the inversions that are due, one :func:`invert_into` per
         factor shape."""
         rest: list[int] = []  # layers updated tensor by tensor
-        for part in partition(range(len(layers)), lambda i: _SHAPES(layers[i])):
+        for part in partition(range(len(layers)), lambda i: _STACKABLE(layers[i])):
             if len(part) == 1 or not self._ema_stacked(
                 [layers[i] for i in part],
                 [states[i] for i in part],
