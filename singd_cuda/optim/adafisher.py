@@ -26,8 +26,9 @@ from ..curvature.layers import Layer, gradient_matrix, split_matrix
 from ..structures.base import accumulation_dtype
 from . import hyperparameters as hp
 from .base import KroneckerOptimizer, checked_fallback
-from .derived import DerivedCache
+from .derived import DerivedCache, GroupCache
 from .graft import graft_
+from .grouped import ResidentStacks, partition
 from .rule import LayerRule, scheduled
 from .scale_out import DEFAULT_BUCKET_CAP_MB
 from .write import adam_update_
@@ -258,9 +259,6 @@ class KeptBatch:
         return batch
 
 
-_ROW, _COLUMN = operator.itemgetter(0), operator.itemgetter(1)  # s′ and h′ of (s′, h′, scratch)
-
-
 def _takes_as_is(grad: Tensor, view: tuple) -> bool:
     """Whether :func:`singd_cuda.ops.diag_precond_step_` takes ``grad`` itself for its matrix
     at ``view`` = (shape, stride, offset): the matrix is the gradient, or the one column of a
@@ -330,71 +328,81 @@ def _normalised(s: Tensor, h: Tensor, acc: torch.dtype, out: tuple | None) -> tu
     return out
 
 
-class StackedNormalise:
-    """:func:`min_max_normalise` of many vectors in one pass per set of equal length,
-    dtypes and device: the vectors are copied into the rows of an (L, d) scratch, whose
-    rows are normalised by broadcasting over (L, 1) minima and spans, and copied out.
-    Elementwise the same arithmetic as one vector at a time, so bitwise the same result.
+def min_max_normalise_rows(V: Tensor, out: Tensor, scratch: tuple[Tensor, ...]) -> Tensor:
+    """Row i of ``out`` = :func:`min_max_normalise` of row i of ``V``, for every row at
+    once by broadcasting over (L, 1) minima and spans: elementwise the same arithmetic as
+    one vector at a time, so bitwise the same result.
 
-    The sets, their scratch and row views are kept for the next call with the same pairs
-    (the same tensor objects): a warm step allocates nothing and regroups nothing. A call
-    with other pairs builds them anew (reusing the scratch of a set of the same output
-    buffers).
+    V: (L, d), any float dtype; out: (L, d) in the dtype to normalise in; ``scratch``:
+    from :func:`rows_scratch` for ``out``. Nothing is allocated.
     """
+    low, span, constant, one = scratch
+    out.copy_(V)
+    torch.aminmax(out, dim=1, keepdim=True, out=(low, span))
+    span.sub_(low)
+    torch.sub(one, torch.sign(span, out=constant), out=constant)  # 1 if span == 0, else 0
+    span.add_(constant).clamp_min_(torch.finfo(out.dtype).tiny)
+    return out.sub_(low).add_(constant).div_(span)
 
-    def __init__(self) -> None:
-        self._scratch: dict[tuple, tuple[Tensor, ...]] = {}
-        self._pairs: list[Tensor] = []  # the last call's pairs, flattened
-        # per set: (rows, low, span, constant, one, row views, vectors, outputs)
-        self._sets: list[tuple] = []
 
-    def __call__(self, pairs: list[tuple[Tensor, Tensor]]) -> None:
-        """Write min_max_normalise(v) into ``out`` for every (v (d,), out (d,)) pair."""
-        if not pairs:
-            return  # a step without a factor update: keep the scratch for the next one
-        flat = [t for pair in pairs for t in pair]
-        if len(flat) != len(self._pairs) or not all(map(operator.is_, flat, self._pairs)):
-            self._prepare(pairs)
-            self._pairs = flat
-        for rows, low, span, constant, one, views, vectors, outs in self._sets:
-            torch._foreach_copy_(views, vectors)
-            torch.aminmax(rows, dim=1, keepdim=True, out=(low, span))
-            span.sub_(low)
-            torch.sub(one, torch.sign(span, out=constant), out=constant)
-            span.add_(constant).clamp_min_(torch.finfo(rows.dtype).tiny)
-            rows.sub_(low).add_(constant).div_(span)
-            torch._foreach_copy_(outs, views)
+def rows_scratch(out: Tensor) -> tuple[Tensor, ...]:
+    """The scratch of :func:`min_max_normalise_rows` into ``out`` (L, d): three (L, 1)
+    buffers and a 0-dim one holding 1."""
+    scalars = out.new_empty((3, out.shape[0], 1))
+    return (*scalars.unbind(), normalise_scratch(out)[3])
 
-    def _prepare(self, pairs: list[tuple[Tensor, Tensor]]) -> None:
-        """The sets of ``pairs`` and their scratch (kept from the last preparation for a
-        set of the same output buffers; the others' are dropped)."""
-        sets: dict[tuple, list[tuple[Tensor, Tensor]]] = {}
-        for v, out in pairs:
-            sets.setdefault((v.numel(), v.dtype, out.dtype, out.device), []).append((v, out))
-        kept = {}
-        self._sets = []
-        for shape, members in sets.items():
-            # ids alone could be reused by buffers of another length (after a load)
-            key = (*shape, *(id(out) for _, out in members))
-            scratch = self._scratch.get(key)
-            if scratch is None:
-                out = members[0][1]
-                rows = out.new_empty((len(members), out.numel()))
-                scalars = out.new_empty((3, len(members), 1))
-                scratch = (rows, *scalars.unbind(), normalise_scratch(out)[3])
-            kept[key] = scratch
-            views = list(scratch[0].unbind())
-            vectors, outs = [v for v, _ in members], [out for _, out in members]
-            self._sets.append((*scratch, views, vectors, outs))
-        self._scratch = kept
+
+def _normalised_rows(S: Tensor, H: Tensor, acc: torch.dtype, out: tuple | None) -> tuple:
+    """(S′, H′, scratch, the rows of S′, the rows of H′): the min–max normalised rows of
+    the stacked EMAs S (L, d_C) and H (L, d_K) in ``acc``, into ``out`` if given."""
+    if out is None:
+        S_norm = S.new_empty(S.shape, dtype=acc)
+        H_norm = H.new_empty(H.shape, dtype=acc)
+        scratch = rows_scratch(S_norm)
+        out = (S_norm, H_norm, scratch, list(S_norm.unbind()), list(H_norm.unbind()))
+    S_norm, H_norm, scratch, _, _ = out
+    min_max_normalise_rows(S, S_norm, scratch)
+    min_max_normalise_rows(H, H_norm, scratch)
+    return out
+
+
+def _stack_key(layer: Layer, state: dict) -> tuple:
+    """Layers with equal keys keep their EMAs as the rows of one stack."""
+    h, s = state["h"], state["s"]
+    return (layer.dim_in, layer.dim_out, h.dtype, s.dtype, h.device, layer.weight.dtype)
+
+
+_SIDES = (("h", "in"), ("s", "out"))  # (EMA, its statistics in ``pending``)
+_WEIGHT_DTYPE = operator.attrgetter("weight.dtype")
+
+
+def _ema_each(states: list[dict], pendings: list[dict], weight: float) -> None:
+    """The EMAs of each layer in one ``torch._foreach_lerp_`` (a low-precision EMA runs in
+    its statistics' dtype, then is stored back)."""
+    emas, news, targets, casts = [], [], [], []
+    for state, pending in zip(states, pendings, strict=True):
+        for key, side in _SIDES:
+            ema, new = state[key], pending[side]
+            if ema.dtype != new.dtype:  # a low-precision factor: the EMA in new's dtype
+                targets.append(ema)
+                ema = ema.to(new.dtype)
+                casts.append(ema)
+            emas.append(ema)
+            news.append(new)
+    # lerp_ takes its weight as a scalar; mul_(decay) would allocate a 0-dim tensor
+    torch._foreach_lerp_(emas, news, weight)
+    if casts:
+        torch._foreach_copy_(targets, casts)
 
 
 class AdaFisherRule(LayerRule):
     """AdaFisher's diagonal statistics, EMA and Adam-style preconditioned update."""
 
     def __init__(self) -> None:
-        self._normalised = DerivedCache()  # (s′, h′) between factor updates
-        self._normalise_many = StackedNormalise()
+        self._normalised = DerivedCache()  # (s′, h′) of a layer alone, between updates
+        self._stacked = GroupCache()  # (S′, H′) of a stack of layers, between updates
+        self._resident = ResidentStacks(("h", "s"), named=False)  # EMAs of equal shapes
+        self._news: dict[int, Tensor] = {}  # id of an EMA stack -> its statistics' stack
         self._views = DiagonalViews()  # the parameters' views, between steps
         self._kept = KeptBatch()  # the last batch's lists, between steps
 
@@ -432,23 +440,56 @@ class AdaFisherRule(LayerRule):
         return ADAFISHER
 
     def update_factors_many(self, layers, group, states, pendings, step: int) -> None:
-        """h ← γh + (1−γ)h_new and s ← γs + (1−γ)s_new of every layer in one
-        ``torch._foreach_lerp_`` (elementwise, so bitwise the same as one lerp_ a vector)."""
-        emas, news, targets, casts = [], [], [], []
+        """h ← γh + (1−γ)h_new and s ← γs + (1−γ)s_new of every layer: for layers of
+        equal shapes and dtypes one lerp per EMA on the stack of their EMAs
+        (:class:`~.grouped.ResidentStacks`), the others in one ``torch._foreach_lerp_``
+        (elementwise, so bitwise the same as one lerp_ a vector)."""
         self._normalised.forget(*layers)
-        for state, pending in zip(states, pendings, strict=True):
-            for key, new in (("h", pending["in"]), ("s", pending["out"])):
-                ema = state[key]
-                if ema.dtype != new.dtype:  # a low-precision factor: the EMA in new's dtype
-                    targets.append(ema)
-                    ema = ema.to(new.dtype)
-                    casts.append(ema)
-                emas.append(ema)
-                news.append(new)
-        # lerp_ takes its weight as a scalar; mul_(decay) would allocate a 0-dim tensor
-        torch._foreach_lerp_(emas, news, 1.0 - group["ema_decay"])
-        if casts:
-            torch._foreach_copy_(targets, casts)
+        self._stacked.forget(*layers)
+        weight = 1.0 - group["ema_decay"]
+        rest: list[int] = []  # layers updated vector by vector
+        for part in self._parts(layers, states):
+            if len(part) == 1 or not self._ema_stacked(
+                [layers[i] for i in part],
+                [states[i] for i in part],
+                [pendings[i] for i in part],
+                weight,
+            ):
+                rest += part
+        if rest:
+            _ema_each([states[i] for i in rest], [pendings[i] for i in rest], weight)
+
+    def _parts(self, layers, states: list[dict]) -> list[list[int]]:
+        """``layers``' positions by :func:`_stack_key`: one part when the layers are those
+        of kept stacks whose rows the states still hold, with one weight dtype (the
+        steady state: then no key is computed)."""
+        if (
+            len(layers) > 1
+            and self._resident.kept(layers, states) is not None
+            and len(set(map(_WEIGHT_DTYPE, layers))) == 1
+        ):
+            return [list(range(len(layers)))]
+        return partition(range(len(layers)), lambda i: _stack_key(layers[i], states[i]))
+
+    def _ema_stacked(self, layers, states: list[dict], pendings: list[dict], weight: float):
+        """The EMA of layers of equal shapes and dtypes on the stacks of their EMAs, when
+        they hold their statistics' dtype; False (nothing done) otherwise. The statistics
+        are copied into a stack kept for the next update (no allocation)."""
+        first = pendings[0]
+        if any(states[0][key].dtype != first[side].dtype for key, side in _SIDES):
+            return False
+        stacks = self._resident.of(layers, states)
+        for key, side in _SIDES:
+            ema = stacks[key]
+            news = self._news.get(id(ema))
+            if news is None or news.shape != ema.shape or news.dtype != ema.dtype:
+                if len(self._news) >= 64:  # stacks replaced by loads: start over
+                    self._news.clear()
+                news = self._news[id(ema)] = ema.new_empty(ema.shape)
+            torch.stack([pending[side] for pending in pendings], out=news)
+            # lerp_ takes its weight as a scalar; mul_(decay) would allocate a 0-dim tensor
+            ema.lerp_(news, weight)
+        return True
 
     def fuses_apply(self, group: dict) -> bool:
         return True
@@ -468,23 +509,21 @@ class AdaFisherRule(LayerRule):
         if group["graft"] is not None:
             self._apply_grafted(layers, group, states, inv_scale, step, seed, found_inf)
             return
-        scales, stale = self._counted_scales_many(layers, states)
+        rows, cols = self._counted_scales_many(layers, states)
         counts = [layer_states[0]["step"] for layer_states in states]
         by_count: dict[int, tuple[int, DiagonalBatch]] = {}
         if counts.count(counts[0]) == len(counts):  # the common case: one batch, kept
-            rows, cols = list(map(_ROW, scales)), list(map(_COLUMN, scales))
             by_count[counts[0]] = (
                 0,
                 self._kept.batch(layers, states, rows, cols, "exp_avg", self._views),
             )
         else:
-            for position, (layer, layer_states, (s, h, _), count) in enumerate(
-                zip(layers, states, scales, counts, strict=True)
+            for position, (layer, layer_states, s, h, count) in enumerate(
+                zip(layers, states, rows, cols, counts, strict=True)
             ):
                 if count not in by_count:
                     by_count[count] = (position, DiagonalBatch(self._views))
                 by_count[count][1].add(layer, layer_states, s, h, "exp_avg")
-        self._normalise_many(stale)
         for count, (position, batch) in by_count.items():
             # the first layer's position: distinct random bits
             self._step_batch(batch, group, inv_scale, step, count, seed + position, found_inf)
@@ -523,31 +562,54 @@ class AdaFisherRule(LayerRule):
 
     def _counted_scales(self, layer: Layer, state: dict) -> tuple[Tensor, Tensor]:
         """(s′, h′) of the layer, counting one more update of it (its bias correction)."""
+        scales = self._scales(layer, state)
+        state["step"] += 1
+        return scales
+
+    def _scales(self, layer: Layer, state: dict) -> tuple[Tensor, Tensor]:
+        """(s′, h′) of one layer, kept between its factor updates."""
         acc = accumulation_dtype(layer.weight.dtype)
         s, h, _ = self._normalised.get(
             layer, (state["s"], state["h"]), lambda s, h, out: _normalised(s, h, acc, out)
         )
-        state["step"] += 1
         return s, h
 
-    def _counted_scales_many(self, layers, states) -> tuple[list[tuple], list[tuple]]:
-        """:meth:`_counted_scales` of every layer (``states``: each layer's parameter
-        states), the values to recompute left to :class:`StackedNormalise`: ((s′, h′,
-        None) of every layer, the (s or h, its s′ or h′ buffer) pairs to normalise)."""
+    def _counted_scales_many(self, layers, states) -> tuple[list[Tensor], list[Tensor]]:
+        """(s′ of every layer, h′ of every layer) (``states``: each layer's parameter
+        states), counting one more update of each. Layers of equal shapes and dtypes
+        normalise the rows of their stacked EMAs at once (:func:`min_max_normalise_rows`
+        on :class:`~.grouped.ResidentStacks`), into buffers kept between factor updates
+        whose rows are the layers' s′ and h′; a layer alone has its own."""
+        weight_states = [layer_states[0] for layer_states in states]
+        parts = self._parts(layers, weight_states)
+        if len(parts) == 1 and len(layers) > 1:  # the common case: one stack
+            rows, cols = self._stacked_scales(layers, weight_states)
+        else:
+            rows, cols = [None] * len(layers), [None] * len(layers)
+            for part in parts:
+                if len(part) == 1:
+                    (i,) = part
+                    rows[i], cols[i] = self._scales(layers[i], weight_states[i])
+                    continue
+                part_rows, part_cols = self._stacked_scales(
+                    [layers[i] for i in part], [weight_states[i] for i in part]
+                )
+                for i, s, h in zip(part, part_rows, part_cols, strict=True):
+                    rows[i], cols[i] = s, h
+        for state in weight_states:
+            state["step"] += 1
+        return rows, cols
 
-        def create(position: int, s: Tensor, h: Tensor) -> tuple:
-            acc = accumulation_dtype(layers[position].weight.dtype)
-            return s.new_empty(s.shape, dtype=acc), h.new_empty(h.shape, dtype=acc), None
-
-        sources = [(ss[0]["s"], ss[0]["h"]) for ss in states]
-        scales, positions = self._normalised.get_many(layers, sources, create)
-        stale = []
-        for i in positions:
-            (s, h), (s_norm, h_norm, _) = sources[i], scales[i]
-            stale += ((s, s_norm), (h, h_norm))
-        for layer_states in states:
-            layer_states[0]["step"] += 1
-        return scales, stale
+    def _stacked_scales(self, layers, states: list[dict]) -> tuple[list[Tensor], list[Tensor]]:
+        """(s′ of each layer, h′ of each layer) of layers of equal shapes and dtypes: the
+        rows of S′ and H′, normalised from the stacks of their EMAs."""
+        stacks = self._resident.of(layers, states)
+        acc = accumulation_dtype(layers[0].weight.dtype)
+        S, H = stacks["s"], stacks["h"]
+        values = self._stacked.get(
+            layers, (S, H), lambda out: _normalised_rows(S, H, acc, out), into=True
+        )
+        return values[3], values[4]
 
     @staticmethod
     def _step_batch(

@@ -89,23 +89,28 @@ class GroupCache:
         self._versions: dict[int, int] = {}
 
     def get(
-        self, layers: list[Layer], sources: tuple[Tensor, ...], derive: Callable[[], tuple]
+        self,
+        layers: list[Layer],
+        sources: tuple[Tensor, ...],
+        derive: Callable[..., tuple],
+        into: bool = False,
     ) -> tuple:
+        """The values of ``layers`` from ``sources``: kept ones, or ``derive()``'s. With
+        ``into``, ``derive(previous)`` gets the stale values of the same sources (their
+        buffers, to write into) or None."""
         # C calls alone (no generator): this runs per group of layers every step
         key = tuple(map(id, layers))
         versions = tuple(map(self._versions.get, key, repeat(0, len(key))))
         entry = self._entries.get(key)
-        if (
-            entry is not None
-            and entry[1] == versions
-            and len(entry[0]) == len(sources)
-            and all(map(is_, entry[0], sources))
-        ):
+        same = (
+            entry is not None and len(entry[0]) == len(sources) and all(map(is_, entry[0], sources))
+        )
+        if same and entry[1] == versions:
             return entry[2]
         members = set(key)
         for other in [k for k in self._entries if k != key and members.intersection(k)]:
             del self._entries[other]
-        values = derive()
+        values = derive(entry[2] if same else None) if into else derive()
         self._entries[key] = (sources, versions, values)
         return values
 

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from ..structures.base import PLAIN, StructuredMatrix
 from . import warm_start
+from .grouped import partition, stack_of_rows
 
 # what tensors that one fused check takes share
 _GROUP = operator.attrgetter("device", "dtype", "is_sparse")
@@ -184,13 +185,15 @@ class FactorUndo:
     steps, so those update steps allocate nothing; matrices are copied for the step only
     (one stack per run of equal shape, dtype and device), a transient copy as large as
     the factors being updated (their update allocates temporaries of that size anyway).
+    Entries that are every row of one stack (:class:`~.grouped.ResidentStacks`) are
+    saved and checked as that stack: one tensor for the group, not one per layer.
     ``skip`` names state entries no factor update writes (the parameter momenta);
     ``flags`` the host flags an update may set for good (SINGD's warm start), which no
     predicated select on the device can undo.
 
     Where the saved entries lie (a :class:`_Layout`) is found once and kept while the
     states hold the same objects, so that a steady-state save is a few identity checks,
-    one multi-tensor copy and a stack per run of matrices.
+    one multi-tensor copy and a copy per run of matrices.
     """
 
     def __init__(
@@ -202,37 +205,49 @@ class FactorUndo:
         self._flags = flags
         self._vectors: dict[int, Tensor] = {}
         self._layout: _Layout | None = None
-        # what save() saved, until restore or clear: (one stack per run of matrices, host
-        # values); a stack's rows are viewed only to restore (a view is a tracked object)
+        # what save() saved, until restore or clear: (one copy per run of matrices, host
+        # values); a copy's rows are viewed only to restore (a view is a tracked object)
         self._saved: tuple[list[Tensor], list[Any]] | None = None
 
     def save(self, states: list[dict]) -> None:
         """Save ``states`` (before any of them is updated; once a step): the vectors in
-        one multi-tensor copy."""
+        one multi-tensor copy. No states (a step between factor updates) keep the layout
+        for the next update."""
+        if not states:
+            self._saved = None
+            return
         layout = self._layout
         if layout is None or not layout.holds(states):
             layout = self._layout = _Layout(states, self._skip, self._flags)
-            layout.buffers = [self._buffer(vector) for vector in layout.vectors]
-        if layout.vectors:
-            torch._foreach_copy_(layout.buffers, layout.vectors)
+            layout.buffers = list(map(self._buffer, layout.saved_vectors, layout.saved_firsts))
+        if layout.saved_vectors:
+            torch._foreach_copy_(layout.buffers, layout.saved_vectors)
         matrices = layout.matrices
-        stacks = [torch.stack(matrices[a:b]) for a, b in layout.runs]
+        stacks = [
+            torch.stack(matrices[a:b]) if stack is None else stack.clone()
+            for a, b, stack in layout.runs
+        ]
         self._saved = stacks, [container[key] for container, key in layout.values]
 
-    def _buffer(self, value: Tensor) -> Tensor:
-        buffer = self._vectors.get(id(value))
+    def _buffer(self, value: Tensor, first: Tensor) -> Tensor:
+        """The save buffer of ``value`` (a vector, or a stack whose first row is the
+        entry ``first``), kept by that entry between layouts."""
+        buffer = self._vectors.get(id(first))
         if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
-            buffer = self._vectors[id(value)] = torch.empty_like(value)
+            buffer = self._vectors[id(first)] = torch.empty_like(value)
         return buffer
 
     def updated(self) -> list[Tensor]:
-        """The floating-point tensors of the saved states (as they are now)."""
+        """The floating-point tensors of the saved states (as they are now; each stack
+        of :meth:`save` as one tensor while the states still hold its rows)."""
         if self._saved is None:
             return []
         layout = self._layout
         # the entry of states[i] at a key path, by C calls alone (no Python call a tensor)
         current = [reduce(getitem, path, layout.states[i]) for i, path in layout.vector_paths]
         current += [reduce(getitem, path, layout.states[i]) for i, path in layout.matrix_paths]
+        if len(current) == len(layout.entries) and all(map(operator.is_, current, layout.entries)):
+            return layout.checked
         return [t for t in current if t.is_floating_point()]
 
     def sets_flags(self) -> bool:
@@ -260,13 +275,19 @@ class FactorUndo:
         )
 
     def _restore(self, write: Callable[[Tensor, Tensor], Any], host_values: bool) -> None:
-        """``write(saved, current)`` for every saved tensor; with ``host_values`` the saved
-        host values are set back too."""
+        """``write(saved, current)`` for every saved tensor, entry by entry (an update may
+        have put new tensors in the states); with ``host_values`` the saved host values
+        are set back too."""
         if self._saved is None:
             return
         layout, (stacks, values) = self._layout, self._saved
         clones = [copy for stack in stacks for copy in stack.unbind(0)]
-        for (i, path), saved in zip(layout.vector_paths, layout.buffers, strict=True):
+        vectors = [
+            copy
+            for buffer, stacked in zip(layout.buffers, layout.stacked, strict=True)
+            for copy in (buffer.unbind(0) if stacked else (buffer,))
+        ]
+        for (i, path), saved in zip(layout.vector_paths, vectors, strict=True):
             write(saved, reduce(getitem, path, layout.states[i]))
         for (i, path), saved in zip(layout.matrix_paths, clones, strict=True):
             write(saved, reduce(getitem, path, layout.states[i]))
@@ -282,20 +303,44 @@ class FactorUndo:
 _MISSING = object()
 
 
+def _by_stack(tensors: list[Tensor]) -> list[tuple[list[int], Tensor | None]]:
+    """``tensors``' indices in parts: those that are every row of one stack, with the
+    stack (:func:`~.grouped.stack_of_rows`), and the others one by one (None)."""
+    parts = partition(
+        range(len(tensors)),
+        lambda i: ("row", id(tensors[i]._base)) if tensors[i]._base is not None else i,
+    )
+    found: list[tuple[list[int], Tensor | None]] = []
+    for part in parts:
+        stack = stack_of_rows([tensors[i] for i in part]) if len(part) > 1 else None
+        if stack is not None:
+            found.append((part, stack))
+        else:
+            found += [([i], None) for i in part]
+    return found
+
+
 class _Layout:
     """Where the saved entries of some states lie: every nested dict and tensor as the
     (container, key) that holds it and the object it held (checked by :meth:`holds`),
     the vectors and matrices to save (with their key paths from their state, which
-    :class:`FactorUndo` follows after the update), the host values and the flags."""
+    :class:`FactorUndo` follows after the update), the host values and the flags.
+
+    Vectors that are every row of one stack are saved as the stack (``saved_vectors``,
+    one entry for them, flagged in ``stacked``), the others one by one; matrices in runs
+    (``runs``: (start, end, the stack or None)), a stack's rows as one run, the others
+    one run per (shape, dtype, device). ``entries`` are the saved tensors as the states
+    held them, ``checked`` what :meth:`FactorUndo.updated` returns while they still do.
+    """
 
     def __init__(self, states: list[dict], skip: tuple[str, ...], flags: tuple[str, ...]):
         self.states = list(states)
         self.containers: list[dict] = []
         self.slots: list[tuple[dict, Any]] = []  # (container, key) of dicts and tensors
         self.objects: list[Any] = []  # what the slots held
-        self.vectors: list[Tensor] = []  # saved into buffers (FactorUndo._buffer)
-        self.buffers: list[Tensor] = []
-        self.matrices: list[Tensor] = []  # copied, a stack per run of one shape (runs)
+        self.vectors: list[Tensor] = []
+        self.buffers: list[Tensor] = []  # one per saved vector (FactorUndo.save)
+        self.matrices: list[Tensor] = []
         self.vector_paths: list[tuple[int, tuple]] = []  # (state index, key path)
         self.matrix_paths: list[tuple[int, tuple]] = []
         self.values: list[tuple[dict, Any]] = []  # (container, key) of host values
@@ -310,15 +355,46 @@ class _Layout:
                 position = start + paths.index((index, (key,))) if found else None
                 self.flags.append((state, key, position))
         self.lengths = [len(container) for container in self.containers]
-        # the matrices in runs of one (shape, dtype, device), each saved by one stack
-        runs: dict[tuple, list[int]] = {}
-        for i, matrix in enumerate(self.matrices):
-            runs.setdefault((matrix.shape, matrix.dtype, matrix.device), []).append(i)
-        order = [i for run in runs.values() for i in run]
+        self.saved_vectors: list[Tensor] = []
+        self.saved_firsts: list[Tensor] = []  # the first entry each saved vector covers
+        self.stacked: list[bool] = []  # per saved vector: whether it is a stack of entries
+        order: list[int] = []
+        for part, stack in _by_stack(self.vectors):
+            order += part
+            self.saved_vectors.append(self.vectors[part[0]] if stack is None else stack)
+            self.saved_firsts.append(self.vectors[part[0]])
+            self.stacked.append(stack is not None)
+        self.vectors = [self.vectors[i] for i in order]
+        self.vector_paths = [self.vector_paths[i] for i in order]
+        # the other matrices in runs of one (shape, dtype, device), each saved by one stack
+        rows, loose = [], {}
+        for part, stack in _by_stack(self.matrices):
+            if stack is not None:
+                rows.append((part, stack))
+            else:
+                matrix = self.matrices[part[0]]
+                loose.setdefault((matrix.shape, matrix.dtype, matrix.device), []).extend(part)
+        runs = rows + [(part, None) for part in loose.values()]
+        order = [i for part, _ in runs for i in part]
         self.matrices = [self.matrices[i] for i in order]
         self.matrix_paths = [self.matrix_paths[i] for i in order]
-        ends = list(itertools.accumulate(map(len, runs.values())))
-        self.runs = list(zip([0, *ends][:-1], ends, strict=True))  # (start, end) of each
+        ends = list(itertools.accumulate(len(part) for part, _ in runs))
+        self.runs = [
+            (start, end, stack)
+            for start, end, (_, stack) in zip([0, *ends][:-1], ends, runs, strict=True)
+        ]
+        self.entries = self.vectors + self.matrices
+        self.checked = [
+            t
+            for t in itertools.chain(
+                self.saved_vectors,
+                *(
+                    [stack] if stack is not None else self.matrices[start:end]
+                    for start, end, stack in self.runs
+                ),
+            )
+            if t.is_floating_point()
+        ]
 
     def _walk(self, index: int, container: dict, path: tuple, skip: tuple[str, ...]) -> None:
         self.containers.append(container)

@@ -123,7 +123,9 @@ class ResidentStacks:
         # id of the first layer -> (layers, their states' entries as put in, stacks)
         self._kept: dict[int, tuple[list, list[Tensor], dict]] = {}
 
-    def of(self, layers: Sequence, states: Sequence[dict]) -> dict:
+    def kept(self, layers: Sequence, states: Sequence[dict]) -> dict | None:
+        """The stacks of :meth:`of` when they are kept for exactly ``layers`` and the
+        states still hold their rows, else None (nothing changes)."""
         kept = self._kept.get(id(layers[0]))
         if (
             kept is not None
@@ -132,6 +134,12 @@ class ResidentStacks:
             and all(map(operator.is_, self._entries(states), kept[1]))
         ):
             return kept[2]
+        return None
+
+    def of(self, layers: Sequence, states: Sequence[dict]) -> dict:
+        kept = self.kept(layers, states)
+        if kept is not None:
+            return kept
         if self._named:
             stacks = {
                 key: {
@@ -174,6 +182,35 @@ def _aligned_stack(tensors: Sequence[Tensor]) -> Tensor:
     stack = buffer[:, : first.numel()].unflatten(1, first.shape)
     torch._foreach_copy_(list(stack.unbind(0)), list(tensors))
     return stack
+
+
+_BASE = operator.attrgetter("_base")
+
+
+def stack_of_rows(rows: Sequence[Tensor]) -> Tensor | None:
+    """The (L, *shape) view whose rows are exactly ``rows``, in order, when they lie as the
+    rows of a stack do (two or more views of one base with equal shapes, strides and
+    dtypes, row i at the first's offset + i x a pitch no smaller than a row: what
+    :class:`ResidentStacks` puts into the states); else None. The view covers the rows'
+    elements only, not a padding between them, so one op on it is the same op on each
+    row."""
+    first = rows[0]
+    base = first._base
+    if base is None or len(rows) < 2 or first.numel() == 0:
+        return None
+    offsets = list(map(Tensor.storage_offset, rows))
+    start, pitch = offsets[0], offsets[1] - offsets[0]
+    spans = zip(first.shape, first.stride(), strict=True)
+    extent = sum((size - 1) * stride for size, stride in spans) + 1  # elements a row spans
+    if (
+        extent > pitch
+        or offsets != list(range(start, start + pitch * len(rows), pitch))
+        or not all(map(operator.is_, map(_BASE, rows), [base] * len(rows)))
+        or len(set(map(_SHAPE_DTYPE, rows))) != 1
+        or len(set(map(Tensor.stride, rows))) != 1
+    ):
+        return None
+    return base.as_strided((len(rows), *first.shape), (pitch, *first.stride()), start)
 
 
 def stacked_gradients(

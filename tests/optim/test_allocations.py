@@ -10,7 +10,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import singd_cuda.ops as ops
 from singd_cuda import SINGD, AdaFisher
-from singd_cuda.optim.adafisher import StackedNormalise, min_max_normalise
+from singd_cuda.optim.adafisher import min_max_normalise, min_max_normalise_rows, rows_scratch
 
 from .conftest import MODELS, loss_fn, random_batches
 
@@ -55,18 +55,29 @@ def test_min_max_normalise():
     torch.testing.assert_close(out, torch.tensor([0.0, 1.0]))
 
 
-def test_stacked_normalise_buffers_of_a_new_length():
-    """A loaded checkpoint replaces the output buffers, and the new ones may reuse the old
-    ids (here: the same objects, resized) with another length."""
-    normalise = StackedNormalise()
-    outs = [torch.empty(8) for _ in range(2)]
-    for length in (8, 3, 8, 5):
-        sources = [torch.randn(length) for _ in outs]
-        for out in outs:
-            out.resize_(length)
-        normalise(list(zip(sources, outs, strict=True)))
-        for v, out in zip(sources, outs, strict=True):
-            torch.testing.assert_close(out, min_max_normalise(v), rtol=0, atol=0)
+@pytest.mark.parametrize(
+    ("source", "dtype"),
+    [
+        (torch.float32, torch.float32),
+        (torch.float64, torch.float64),
+        (torch.bfloat16, torch.float32),
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("length", [1, 5, 16, 17])
+def test_rows_normalise_as_one_vector_at_a_time(source, dtype, length):
+    """Each row of the stacked normalisation is bitwise min_max_normalise of that row
+    alone, constant rows included, also from the padded rows of a resident stack."""
+    torch.manual_seed(0)
+    padded = torch.randn(6, 32).to(source)
+    V = padded[:, :length]  # rows 64-byte aligned, as ResidentStacks lays them out
+    V[2] = 0.5  # a constant row
+    V[4] = -V[4].abs()
+    out = torch.empty(V.shape, dtype=dtype)
+    assert min_max_normalise_rows(V, out, rows_scratch(out)) is out
+    for row, normalised in zip(V, out, strict=True):
+        expected = min_max_normalise(row, torch.empty(length, dtype=dtype))
+        torch.testing.assert_close(normalised, expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("factor_dtype", [torch.float64, torch.bfloat16], ids=str)

@@ -3,6 +3,7 @@ when their objects change (a checkpoint load, a layer's first factors, a new fla
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from singd_cuda.optim.finite import FactorUndo
@@ -77,3 +78,75 @@ def test_restore_where_selects_on_the_device_and_keeps_host_values():
     given[0]["h"].add_(1.0)
     undo.restore_where(torch.zeros(1))
     assert torch.equal(given[0]["h"], before + 1.0)
+
+
+def stacked_states(pad: int) -> tuple[list[dict], torch.Tensor, torch.Tensor]:
+    """Three states whose "h" (length 5) and "K" (2 x 2) are the rows of stacks, with
+    ``pad`` elements between rows (as ResidentStacks aligns them), and a loose vector."""
+    h_buffer = torch.arange(3 * (5 + pad), dtype=torch.float32).reshape(3, 5 + pad)
+    K_buffer = torch.randn(3, 4 + pad, generator=torch.Generator().manual_seed(0))
+    H, K = h_buffer[:, :5], K_buffer[:, :4].unflatten(1, (2, 2))
+    given = [
+        {"h": h, "K": {"mat": k}, "s": torch.full((2,), float(i)), "step": i}
+        for i, (h, k) in enumerate(zip(H.unbind(0), K.unbind(0), strict=True))
+    ]
+    return given, h_buffer, K_buffer
+
+
+@pytest.mark.parametrize("pad", [0, 3])
+def test_rows_of_a_stack_are_saved_and_checked_as_the_stack(pad):
+    """Entries that are every row of one stack are saved and checked as one tensor; the
+    padding between rows is neither checked (it may hold anything) nor written; restore
+    and restore_where bring every row back, also after an update replaced an entry."""
+    given, h_buffer, K_buffer = stacked_states(pad)
+    if pad:
+        h_buffer[:, 5:] = float("nan")  # uninitialised padding: never checked
+        K_buffer[:, 4:] = float("inf")
+    undo = FactorUndo()
+    expected_h = h_buffer[:, :5].clone()
+    expected_K = K_buffer[:, :4].clone()
+    for restore in ("restore", "restore_where"):
+        undo.save(given)
+        checked = undo.updated()
+        assert len(checked) == 2 + 3  # the h stack, the K stack, three loose vectors
+        assert all(torch.isfinite(t).all() for t in checked)
+        h_buffer[:, :5] = -1.0
+        K_buffer[:, :4] = -2.0
+        if restore == "restore":
+            undo.restore()
+        else:
+            undo.restore_where(torch.ones(1))
+        assert torch.equal(h_buffer[:, :5], expected_h)
+        assert torch.equal(K_buffer[:, :4], expected_K)
+        if pad:
+            assert h_buffer[:, 5:].isnan().all() and K_buffer[:, 4:].isinf().all()
+    undo.save(given)
+    given[1]["h"] = torch.full((5,), 9.0)  # an update put a new tensor in a state
+    assert len(undo.updated()) == 3 + 3 + 3  # entry by entry now
+    undo.restore()
+    assert torch.equal(given[1]["h"], expected_h[1])
+    assert torch.equal(h_buffer[:, :5], expected_h)
+
+
+def test_views_that_do_not_lie_as_rows_are_saved_one_by_one():
+    """Rows out of order, columns, overlapping windows, rows of two bases: saved and
+    restored one by one; two of three rows do lie as a stack (one tensor)."""
+    base, other = torch.arange(12.0).reshape(3, 4), torch.arange(4.0)
+    flat = base.flatten()
+    cases = {
+        "out of order": ([base[1], base[0], base[2]], 3),
+        "columns": (list(base.t()), 4),
+        "overlapping": ([flat[0:4], flat[2:6]], 2),
+        "two bases": ([base[0], other[:4]], 2),
+        "two of three rows": ([base[0], base[1]], 1),
+    }
+    for name, (vectors, saved) in cases.items():
+        given = [{"h": v} for v in vectors]
+        before = [v.clone() for v in vectors]
+        undo = FactorUndo()
+        undo.save(given)
+        assert len(undo.updated()) == saved, name
+        for v in vectors:
+            v.fill_(0.0)
+        undo.restore()
+        assert all(torch.equal(v, b) for v, b in zip(vectors, before, strict=True)), name

@@ -405,19 +405,22 @@ def test_a_steady_step_leaves_no_cyclic_garbage():
     }, done.stdout
 
 
-@pytest.mark.parametrize("optimizer", ["singd", "kfac"])
+@pytest.mark.parametrize("optimizer", ["singd", "kfac", "adafisher"])
 def test_loads_leave_no_stack_behind(optimizer):
     """After a load the next factor update stacks the loaded factors anew; the stacks they
     replaced are let go (a loop that reloads checkpoints keeps one set of factors)."""
     import gc
     import weakref
 
-    from singd_cuda import KFAC
+    from singd_cuda import KFAC, AdaFisher
 
     model = Stack(torch.float32)
     if optimizer == "singd":
         opt = SINGD(model, lr=0.01, T=1, structures="dense")
         factor = lambda: opt.state[model.body[0].weight]["K"]["mat"]  # noqa: E731
+    elif optimizer == "adafisher":
+        opt = AdaFisher(model, lr=0.01, T=1)
+        factor = lambda: opt.state[model.body[0].weight]["h"]  # noqa: E731
     else:
         opt = KFAC(model, lr=0.01, T=1)
         factor = lambda: opt.state[model.body[0].weight]["A"]  # noqa: E731
@@ -431,3 +434,73 @@ def test_loads_leave_no_stack_behind(optimizer):
     gc.collect()
     assert [ref() for ref in replaced] == [None] * len(replaced)
     assert factor()._base is not None  # the loaded factors were stacked again
+
+
+def _emas(model, opt) -> list[torch.Tensor]:
+    """AdaFisher's h and s of the three 12 → 12 layers with bias (one stack each)."""
+    return [opt.state[model.body[i].weight][key] for key in ("h", "s") for i in (0, 2, 4)]
+
+
+@pytest.mark.parametrize("factor_dtype", [None, torch.bfloat16], ids=["weights'", "bfloat16"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_adafisher_on_stacks_equals_one_layer_at_a_time(dtype, factor_dtype):
+    """AdaFisher's EMAs of layers of equal shapes and dtypes are the rows of one aligned
+    stack, lerped and min-max normalised per stack, with the undo saving each stack as one
+    tensor; training equals the path with every layer alone bit for bit, through a frozen
+    layer, an idle one that joins late and a checkpoint load."""
+    from singd_cuda import AdaFisher
+
+    data = batches(4 * T, dtype)
+    runs = {}
+    for stacked in (True, False):
+        model = Stack(dtype)
+        opt = AdaFisher(model, lr=0.01, T=2, factor_dtype=factor_dtype)
+        if not stacked:  # every layer a key of its own: no stacks
+            opt._rule._parts = lambda layers, states: [[i] for i in range(len(layers))]
+        model.body[8].weight.requires_grad_(False)  # frozen: its bias trains alone
+        idle = model.body[6]
+        idle_params = [p.detach().clone() for p in idle.parameters()]
+        forward = idle.forward
+        idle.forward = lambda x: x  # idle for the first two steps, then joins
+        train(model, opt, data[:2])
+        assert all(torch.equal(a, b) for a, b in zip(idle.parameters(), idle_params, strict=True))
+        idle.forward = forward
+        train(model, opt, data[2 : 2 * T])
+        if stacked:
+            rows = _emas(model, opt)
+            assert len({row.untyped_storage().data_ptr() for row in rows}) == 2
+            assert all(row.data_ptr() % 64 == 0 for row in rows)
+            assert opt._undo._layout.stacked.count(True) >= 2
+        opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        train(model, opt, data[2 * T :])
+        if stacked:
+            assert len({row.untyped_storage().data_ptr() for row in _emas(model, opt)}) == 2
+        runs[stacked] = model, opt
+    (model, opt), (reference, reference_opt) = runs[True], runs[False]
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(_emas(model, opt), _emas(reference, reference_opt), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_adafisher_overflow_in_stacked_emas_restores_them():
+    """float16 EMAs whose update overflows (inputs scaled by 1e3): the step is skipped and
+    every EMA, a row of a stack, is restored."""
+    from singd_cuda import AdaFisher
+
+    model = Stack(torch.float32)
+    opt = AdaFisher(model, lr=0.01, T=1, factor_dtype=torch.float16)
+    (x, y), (x2, y2) = batches(2, torch.float32)
+    train(model, opt, [(x, y), (x, y)])
+    assert len({row.untyped_storage().data_ptr() for row in _emas(model, opt)}) == 2
+    params = [p.detach().clone() for p in model.parameters()]
+    state = copy.deepcopy(opt.state_dict())
+    with pytest.warns(RuntimeWarning, match="non-finite"):
+        train(model, opt, [(x2 * 1e3, y2)])
+    for before, after in zip(params, model.parameters(), strict=True):
+        assert torch.equal(before, after)
+    after = opt.state_dict()
+    for index, entry in state["state"].items():
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, after["state"][index][key]), key
