@@ -217,9 +217,12 @@ class SingdRule(LayerRule):
         batch.write_back()
 
     def _update_diagonal_factors(self, layers, states, pendings, group: dict, step: int) -> None:
-        """The diagonal factor update of both sides of every layer in one
-        :func:`diag_factor_update_`, its scalars in the layers' cached buffers (no
-        allocation)."""
+        """The diagonal factor update of both sides of every layer (``layers``: of one
+        :meth:`group_key`) in one :func:`diag_factor_update_`, its scalars in the layers'
+        cached buffers (no allocation). The factors are rows of stacks
+        (:class:`~.grouped.ResidentStacks`), so that the step saves and checks them as
+        four tensors (:class:`~.finite.FactorUndo`)."""
+        self._resident.of(layers, states)
         factors, momenta, h, a, b, means, inv_dims = [], [], [], [], [], [], []
         sums, sum_outs = [], []  # H's vectors and where their sums go
         for layer, state, pending in zip(layers, states, pendings, strict=True):

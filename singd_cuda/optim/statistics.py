@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ..curvature.layers import Layer
-from ..structures.base import ACCUMULATES_IN, HALF_DTYPES, PLAIN
+from ..structures.base import ACCUMULATES_IN, HALF_DTYPES, PLAIN, StructuredMatrix
 
 _DEVICE_DTYPE = operator.attrgetter("device", "dtype")
 _DTYPE = operator.attrgetter("dtype")
@@ -59,10 +59,16 @@ class StatisticsNormaliser:
         held in their accumulation dtype (one call, no grouping, when all are plain tensors
         of one device and dtype), by a 0-dim tensor kept between steps (a Python scalar
         would allocate one per call; the loss scale stays on the device, unread)."""
-        if set(map(type, statistics)) == PLAIN:  # the common case
-            keys = list(map(_DEVICE_DTYPE, statistics))
+        kinds = set(map(type, statistics))
+        # the common cases: plain tensors, or structured matrices of one structure, of
+        # one device and accumulation dtype: one call, no grouping
+        tensors = statistics if kinds == PLAIN else None
+        if len(kinds) == 1 and issubclass(next(iter(kinds)), StructuredMatrix):
+            tensors = [part for statistic in statistics for part in statistic.parts.values()]
+        if tensors is not None:
+            keys = list(map(_DEVICE_DTYPE, tensors))
             if keys.count(keys[0]) == len(keys) and keys[0][1] not in HALF_DTYPES:
-                torch._foreach_mul_(statistics, self._scalar(keys[0], factor, loss_scale))
+                torch._foreach_mul_(tensors, self._scalar(keys[0], factor, loss_scale))
                 return
         fused: dict[tuple, list[Tensor]] = {}
         for statistic in statistics:

@@ -204,19 +204,24 @@ def test_checkpoint_round_trip_keeps_the_per_parameter_layout(case):
         assert torch.equal(a, b)
 
 
-def test_nonfinite_stacked_factor_update_restores_every_factor(stacked_calls):
+@pytest.mark.parametrize(("structures", "path"), [("dense", "update"), ("diagonal", "diagonal")])
+def test_nonfinite_stacked_factor_update_restores_every_factor(stacked_calls, structures, path):
     """float16 factors, IKFAC (no trace normalisation), T = 1: inputs scaled by 1e3 give
-    finite statistics whose factor momentum overflows float16 in the stacked update."""
+    finite statistics whose factor momentum overflows float16 in the stacked update; the
+    factors are rows of stacks, restored as such."""
     model = Stack(torch.float32)
-    opt = SINGD(model, lr=0.05, T=1, structures="dense", kfac_like=True, factor_dtype=torch.float16)
+    opt = SINGD(
+        model, lr=0.05, T=1, structures=structures, kfac_like=True, factor_dtype=torch.float16
+    )
     (x, y), (x2, y2) = batches(2, torch.float32)
-    train(model, opt, [(x, y)])
+    train(model, opt, [(x, y), (x, y)])
+    assert len({f.untyped_storage().data_ptr() for f in _body_factors(model, opt)}) == 1
     params = [p.detach().clone() for p in model.parameters()]
     state = copy.deepcopy(opt.state_dict())
-    updates = stacked_calls["update"]
+    updates = stacked_calls[path]
     with pytest.warns(RuntimeWarning, match="non-finite"):
         train(model, opt, [(x2 * 1e3, y2)])
-    assert stacked_calls["update"] > updates
+    assert stacked_calls[path] > updates
     for before, after in zip(params, model.parameters(), strict=True):
         assert torch.equal(before, after)
     after = opt.state_dict()
@@ -308,11 +313,11 @@ def test_block_diagonal_rows_in_any_chunks_are_the_dense_product_bitwise(dtype, 
 
 
 def _body_factors(model, opt) -> list[torch.Tensor]:
-    """The dense K of the three 12 → 12 layers with bias (one group)."""
-    return [opt.state[model.body[i].weight]["K"]["mat"] for i in (0, 2, 4)]
+    """The K (its one part) of the three 12 → 12 layers with bias (one group)."""
+    return [next(iter(opt.state[model.body[i].weight]["K"].values())) for i in (0, 2, 4)]
 
 
-@pytest.mark.parametrize("case", ["dense", "kfac_like-dense"])
+@pytest.mark.parametrize("case", ["dense", "kfac_like-dense", "diagonal"])
 def test_factors_live_as_aligned_rows_of_one_stack_kept_between_steps(case):
     """A group's factors are rows of one stack (ResidentStacks), each row starting where
     a tensor of its own would (64 bytes); steps reuse the stack; a load puts new tensors
