@@ -228,7 +228,14 @@ class StructuredMatrix(ABC):
 
     @classmethod
     def from_parts(cls, dim: int, parts: dict[str, Tensor]) -> StructuredMatrix:
-        """Rebuild a matrix from its storage tensors (as in a state dict)."""
+        """Rebuild a matrix from its storage tensors (as in a state dict; the matrix holds
+        a new dict of them). Parts named as ``part_names`` in that order, for a class
+        that keeps this ``__init__``, are taken without its checks (the capture rebuilds
+        a layer's factors at every call)."""
+        if cls.__init__ is StructuredMatrix.__init__ and tuple(parts) == cls.part_names:
+            matrix = object.__new__(cls)
+            matrix.dim, matrix.parts = dim, dict(parts)
+            return matrix
         return cls(dim, **parts)
 
     @property

@@ -114,10 +114,14 @@ class BlockDiagonal(StructuredMatrix):
             blocks, last = blocks.to(acc), last.to(acc)
         Xt = (X if X.dtype is acc else X.to(acc)).T  # (d, N)
         n, b, _ = blocks.shape
-        P = torch.bmm(blocks.transpose(1, 2), Xt[: n * b].reshape(n, b, Xt.shape[1]))
-        if acc is not out_dtype:  # half K and X: P is rounded as rmatmul's is
-            P = P.to(out_dtype).to(acc)
-        grams = torch.bmm(P, P.transpose(1, 2))
+        if n:
+            rows = Xt if n * b == self.dim else Xt[: n * b]
+            P = torch.bmm(blocks.transpose(1, 2), rows.reshape(n, b, Xt.shape[1]))
+            if acc is not out_dtype:  # half K and X: P is rounded as rmatmul's is
+                P = P.to(out_dtype).to(acc)
+            grams = torch.bmm(P, P.transpose(1, 2))
+        else:  # no full block (d < b): no products
+            grams = Xt.new_empty((0, b, b))
         if n * b < self.dim:
             P = last.T @ Xt[n * b :]
             if acc is not out_dtype:
@@ -127,7 +131,7 @@ class BlockDiagonal(StructuredMatrix):
             trailing = grams.new_empty((0, 0))
         if acc is not out_dtype:
             grams, trailing = grams.to(out_dtype), trailing.to(out_dtype)
-        return type(self)(self.dim, blocks=grams, last=trailing)
+        return type(self).from_parts(self.dim, {"blocks": grams, "last": trailing})
 
     def matmul(self, X: Tensor) -> Tensor:
         return self._apply(X, transpose=False)
