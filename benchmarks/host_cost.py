@@ -1,7 +1,12 @@
 """Host cost of the optimizers: overhead per layer against torch AdamW, and device reads.
 
 Two models, single-threaded (``torch.set_num_threads(1)``), every optimizer interleaved
-round-robin with the plain model (forward + backward, no optimizer, no hooks) in one run:
+round-robin with the plain model (forward + backward, no optimizer, no hooks) in one run,
+one iteration each per round (the default), or with ``--block N`` one untimed and N timed
+consecutive iterations each per round. One iteration each is the fairest to load drift,
+but each iteration then follows 15 other competitors' and finds the caches and branch
+predictors cold, which costs more the more host code a competitor runs; in training an
+optimizer's step follows its own last one, as in a block:
 
 - ``tiny``: 64 x (Linear(16, 16) + Tanh), batch 8. The arithmetic is negligible, so the
   overhead is host work: Python and op dispatch per layer, which is what a GPU step pays
@@ -46,6 +51,7 @@ backward included, custom ops as one, the ops a C++ kernel calls inside not seen
 200 steady-state iterations of that competitor alone, 40 after a full collection).
 
     python benchmarks/host_cost.py --out benchmarks/results/host_cost.md
+    python benchmarks/host_cost.py --block 20 --out benchmarks/results/host_cost_blocks.md
     python benchmarks/host_cost.py --models tiny --steps 20  # quick look
 """
 
@@ -525,7 +531,7 @@ class Competitor:
         return counts
 
 
-def measure(model_name: str, steps: int) -> list[dict]:
+def measure(model_name: str, steps: int, block: int = 1) -> list[dict]:
     layers = MODELS[model_name][0]
     plain = Competitor(model_name, 1, None)
     competitors = {
@@ -535,9 +541,12 @@ def measure(model_name: str, steps: int) -> list[dict]:
     for _ in range(3):  # warm-up: first statistics, warm start, the one inversion
         for c in everyone:
             c.iteration(timed=False)
-    for _ in range(steps):  # round-robin: load changes hit every competitor alike
+    for _ in range(math.ceil(steps / block)):  # round-robin: load changes hit all alike
         for c in everyone:
-            c.iteration(timed=True)
+            if block > 1:  # the first iteration after another competitor's: untimed
+                c.iteration(timed=False)
+            for _ in range(block):
+                c.iteration(timed=True)
     base = median_ms(plain.times)
     adamw_backward = next(iter(competitors.values())).backward_ms()
     rows = []
@@ -583,11 +592,16 @@ def measure(model_name: str, steps: int) -> list[dict]:
     ]
 
 
-def table(model_name: str, rows: list[dict], steps: int) -> list[str]:
+def table(model_name: str, rows: list[dict], steps: int, block: int = 1) -> list[str]:
     layers, width, batch, _ = MODELS[model_name]
+    timed = (
+        f"{steps} timed steps"
+        if block == 1
+        else (f"{block * math.ceil(steps / block)} timed steps in blocks of {block}")
+    )
     lines = [
-        f"### {model_name}: {layers} x Linear({width}, {width}), batch {batch}, {steps} timed "
-        f"steps (plain forward + backward {rows[0]['plain_ms']:.2f} ms, "
+        f"### {model_name}: {layers} x Linear({width}, {width}), batch {batch}, {timed} "
+        f"(plain forward + backward {rows[0]['plain_ms']:.2f} ms, "
         f"per layer {rows[0]['plain_py_calls']:.0f} Python + "
         f"{rows[0]['plain_c_calls']:.0f} C calls and {rows[0]['plain_ops']:.0f} ops)",
         "",
@@ -634,6 +648,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="tiny,mlp", help="comma-separated: tiny, mlp")
     parser.add_argument("--steps", type=int, default=60, help="timed steps per competitor")
+    parser.add_argument(
+        "--block",
+        type=int,
+        default=1,
+        help="consecutive iterations per competitor and round (default 1: every iteration "
+        "follows another competitor's; N > 1: one untimed, then N timed, as in training)",
+    )
     parser.add_argument("--out", type=Path, help="write the markdown record here")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -641,7 +662,8 @@ def main(argv=None) -> int:
     start, load = time.time(), os.getloadavg()[0]
     sections = []
     for name in args.models.split(","):
-        sections += [*table(name, measure(name, args.steps), args.steps), ""]
+        rows = measure(name, args.steps, args.block)
+        sections += [*table(name, rows, args.steps, args.block), ""]
     lines = [
         "# Host cost per layer",
         "",

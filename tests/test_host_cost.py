@@ -35,11 +35,15 @@ def test_reads_are_counted_at_the_library_call_site(host_cost):
 
 
 @pytest.mark.skipif(not ops.fused_available("cpu"), reason="fused ops not built")
-def test_table_has_every_optimizer(host_cost, tmp_path):
+@pytest.mark.parametrize("block", [1, 2])
+def test_table_has_every_optimizer(host_cost, tmp_path, block):
     host_cost.MODELS["tiny"] = (4, 8, 4, torch.nn.Tanh)  # shape of the table, not timings
     out = tmp_path / "host.md"
-    assert host_cost.main(["--models", "tiny", "--steps", "2", "--out", str(out)]) == 0
+    argv = ["--models", "tiny", "--steps", "3", "--block", str(block), "--out", str(out)]
+    assert host_cost.main(argv) == 0
     text = out.read_text()
+    timed = "3 timed steps" if block == 1 else "4 timed steps in blocks of 2"
+    assert f"batch 4, {timed} (plain" in text
     for name in host_cost.optimizers():
         assert f"| {name} |" in text
     adamw = next(line for line in text.splitlines() if line.startswith("| AdamW (foreach) |"))
