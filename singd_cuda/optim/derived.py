@@ -64,6 +64,11 @@ class DerivedCache:
             stale.append(position)
         return values, stale
 
+    def put(self, layer: Layer, sources: tuple[Tensor, ...], values: tuple) -> None:
+        """Hold ``values``, fresh, as derived from ``sources`` (computed for many layers
+        at once by the caller)."""
+        self._entries[id(layer)] = [sources, values, True]
+
     def values(self) -> list[tuple]:
         """The derived values held (stale ones included: they keep their buffers)."""
         return [entry[1] for entry in self._entries.values()]

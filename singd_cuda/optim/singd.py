@@ -80,6 +80,7 @@ class SingdRule(LayerRule):
         self._squares = DerivedCache()  # diagonal path: DiagonalSquares between factor updates
         self._outer = DerivedCache()  # (C Cᵀ or None, K Kᵀ or None) between factor updates
         self._stacked = GroupCache()  # the same of groups of layers, stacked
+        self._stacked_squares = GroupCache()  # diagonal path: squares of stacked factors
         self._resident = ResidentStacks(_SIDES, named=True)  # groups' factors, as stacks
         self._views = DiagonalViews()  # diagonal path: the parameters' views, between steps
         self._kept = KeptBatch()  # diagonal path: the last batch's lists, between steps
@@ -194,12 +195,9 @@ class SingdRule(LayerRule):
         """:func:`singd_cuda.ops.diag_precond_step_` (mode "singd") over every layer:
         Ĝ = c² ⊙ G ⊙ k² and momentum SGD, in one pass over W, G and the buffers."""
         momentum = group["momentum"]
-        sources = [(s[0]["C"]["diag"], s[0]["K"]["diag"]) for s in states]
-        squares, positions = self._squares.get_many(
-            layers, sources, lambda _, c, k: _square_buffers(c, k)
+        squares = self._diagonal_squares(
+            layers, group, [layer_states[0] for layer_states in states]
         )
-        stale = [(*sources[i], squares[i]) for i in positions]  # filled as one batch
-        _fill_squares(stale, self._traces)
         buf_key = "momentum_buffer" if momentum != 0.0 else None
         rows, cols = [sq.c2 for sq in squares], [sq.k2 for sq in squares]
         batch = self._kept.batch(layers, states, rows, cols, buf_key, self._views)
@@ -215,6 +213,48 @@ class SingdRule(LayerRule):
             found_inf=found_inf,
         )
         batch.write_back()
+
+    def _diagonal_squares(self, layers, group, states: list[dict]) -> list[DiagonalSquares]:
+        """The :class:`DiagonalSquares` of every layer, recomputed where stale. Layers
+        whose factors are the rows of kept stacks (:class:`~.grouped.ResidentStacks`, a
+        group of one :meth:`group_key`) have theirs as the rows of stacked buffers, filled
+        a few calls for all (:func:`_fill_stacked_squares`); others as one batch."""
+        stacks = self._resident.kept(layers, states) if len(layers) > 1 else None
+        if stacks is not None:
+            return self._stacked_diagonal_squares(layers, states, stacks)
+        parts = [list(range(len(layers)))]
+        if len(layers) > 1:  # a group's layers of several shapes: stacks per key
+            parts = partition(
+                range(len(layers)), lambda i: self._key_or_alone(layers[i], group, [states[i]])
+            )
+        squares: list[DiagonalSquares | None] = [None] * len(layers)
+        for part in parts:
+            members, member_states = [layers[i] for i in part], [states[i] for i in part]
+            stacks = self._resident.kept(members, member_states) if len(part) > 1 else None
+            if stacks is not None:
+                found = self._stacked_diagonal_squares(members, member_states, stacks)
+            else:
+                sources = [(state["C"]["diag"], state["K"]["diag"]) for state in member_states]
+                found, positions = self._squares.get_many(
+                    members, sources, lambda _, c, k: _square_buffers(c, k)
+                )
+                _fill_squares([(*sources[i], found[i]) for i in positions], self._traces)
+            for i, value in zip(part, found, strict=True):
+                squares[i] = value
+        return squares
+
+    def _stacked_diagonal_squares(self, layers, states, stacks: dict) -> list[DiagonalSquares]:
+        """:meth:`_diagonal_squares` of layers whose factors are the rows of ``stacks``."""
+        C, K = stacks["C"]["diag"], stacks["K"]["diag"]
+
+        def derive(out: _StackedSquares | None) -> _StackedSquares:
+            out = _stacked_square_buffers(C, K) if out is None else out
+            _fill_stacked_squares(C, K, out)
+            for layer, state, row in zip(layers, states, out.rows, strict=True):
+                self._squares.put(layer, (state["C"]["diag"], state["K"]["diag"]), row)
+            return out
+
+        return self._stacked_squares.get(layers, (C, K), derive, into=True).rows
 
     def _update_diagonal_factors(self, layers, states, pendings, group: dict, step: int) -> None:
         """The diagonal factor update of both sides of every layer (``layers``: of one
@@ -329,6 +369,7 @@ class SingdRule(LayerRule):
         self._outer.forget(*layers)
         self._squares.forget(*layers)
         self._stacked.forget(*layers)
+        self._stacked_squares.forget(*layers)
 
     def update_factors(self, layer, group, state, pending, step: int) -> None:
         if self._diagonal(group) and not group["normalize_lr_cov"]:
@@ -588,6 +629,71 @@ def _square_buffers(c: Tensor, k: Tensor) -> DiagonalSquares:
         (traces[0:1], traces[1:2]),
         (means[0:1], means[1:2]),
     )
+
+
+class _StackedSquares(NamedTuple):
+    """The :class:`DiagonalSquares` of L layers as the rows of stacked buffers: c² (L, d_C),
+    k² (L, d_K), traces and means (L, 2), the shared inv_dims (2,), rounded (storage
+    dtype; half storage only), the row sums' scratch and ``rows``, each layer's
+    DiagonalSquares of row views."""
+
+    c2: Tensor
+    k2: Tensor
+    traces: Tensor
+    inv_dims: Tensor
+    rounded: tuple[Tensor, Tensor] | None
+    sums: Tensor  # (2, L, 1): the row sums, before they go into traces
+    rows: list[DiagonalSquares]
+
+
+def _stacked_square_buffers(C: Tensor, K: Tensor) -> _StackedSquares:
+    """New (unfilled) :class:`_StackedSquares` for the stacked factors C (L, d_C) and K
+    (L, d_K)."""
+    acc = accumulation_dtype(C.dtype)
+    c2, k2 = C.new_empty(C.shape, dtype=acc), K.new_empty(K.shape, dtype=acc)
+    traces, means = c2.new_empty((2, C.shape[0], 2)).unbind()
+    inv_dims = torch.tensor([1 / max(C.shape[1], 1), 1 / max(K.shape[1], 1)], dtype=acc)
+    inv_dims = inv_dims.to(C.device)
+    rounded = (C.new_empty(C.shape), K.new_empty(K.shape)) if C.dtype != acc else None
+    rows = [
+        DiagonalSquares(
+            c2[i],
+            k2[i],
+            traces[i],
+            means[i],
+            inv_dims,
+            None if rounded is None else (rounded[0][i], rounded[1][i]),
+            (traces[i, 0:1], traces[i, 1:2]),
+            (means[i, 0:1], means[i, 1:2]),
+        )
+        for i in range(C.shape[0])
+    ]
+    return _StackedSquares(c2, k2, traces, inv_dims, rounded, c2.new_empty((2, len(rows), 1)), rows)
+
+
+def _fill_stacked_squares(C: Tensor, K: Tensor, out: _StackedSquares) -> None:
+    """:func:`_fill_squares` of every row at once, bitwise: the squares elementwise, the
+    traces by row sums (on the CPU, where a row of a stack reduces as a vector does, as
+    :class:`~.grouped.StackedSums` relies on; one sum per row elsewhere)."""
+    out.c2.copy_(C)
+    out.k2.copy_(K)
+    out.c2.mul_(out.c2)
+    out.k2.mul_(out.k2)
+    stored = (out.c2, out.k2)
+    if out.rounded is not None:
+        for rounded, square in zip(out.rounded, stored, strict=True):
+            rounded.copy_(square)
+        stored = out.rounded
+    for side, vectors in enumerate(stored):
+        column = out.traces[:, side : side + 1]
+        if vectors.device.type == "cpu":
+            sums = out.sums[side]
+            torch.sum(vectors, 1, keepdim=True, dtype=sums.dtype, out=sums)
+            column.copy_(sums)
+        else:
+            for vector, trace in zip(vectors, column, strict=True):
+                torch.sum(vector, 0, keepdim=True, dtype=trace.dtype, out=trace)
+    out.traces.mul_(out.inv_dims)
 
 
 def _fill_squares(

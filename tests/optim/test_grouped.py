@@ -509,3 +509,42 @@ def test_adafisher_overflow_in_stacked_emas_restores_them():
         for key, value in entry.items():
             if isinstance(value, torch.Tensor):
                 assert torch.equal(value, after["state"][index][key]), key
+
+
+@pytest.mark.parametrize("factor_dtype", [None, torch.bfloat16], ids=["weights'", "bfloat16"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("kfac_like", [False, True], ids=["singd", "ikfac"])
+def test_diagonal_squares_of_stacks_equal_one_layer_at_a_time(dtype, factor_dtype, kfac_like):
+    """SINGD's diagonal path derives c², k² and their traces for the layers whose factors
+    are rows of kept stacks as rows of stacked buffers, filled a few calls for all; the
+    same training as deriving them layer by layer, bit for bit (T = 1 and 2)."""
+    data = batches(4 * T, dtype)
+    for period in (1, 2):
+        runs = []
+        for stacked in (True, False):
+            model = Stack(dtype)
+            opt = SINGD(
+                model,
+                lr=1e-3,
+                T=period,
+                lr_cov=0.05,
+                structures="diagonal",
+                kfac_like=kfac_like,
+                factor_dtype=factor_dtype,
+            )
+            rule = opt._rules["singd"]
+            if not stacked:  # no kept stacks: every layer's squares alone
+                rule._resident.kept = lambda layers, states: None
+            train(model, opt, data)
+            runs.append((model, opt))
+            if stacked:  # the group of three 12 -> 12 layers took the stacked path
+                assert len(rule._stacked_squares.values()) >= 1
+        (model, opt), (reference, reference_opt) = runs
+        for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+            assert torch.equal(a, b)
+        state, expected = opt.state_dict()["state"], reference_opt.state_dict()["state"]
+        for index, entry in expected.items():
+            for key, value in entry.items():
+                if isinstance(value, dict):
+                    for name, part in value.items():
+                        assert torch.equal(state[index][key][name], part), (key, name)
