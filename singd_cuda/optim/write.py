@@ -3,11 +3,15 @@ stochastic rounding for half-precision weights), in one op call per set of param
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import Tensor
 
 from .. import ops
 from ..structures.base import ACCUMULATES_IN, upcast
+
+_GRAD, _DTYPE = operator.attrgetter("grad"), operator.attrgetter("dtype")
 
 
 def unscaled(grad: Tensor, grad_scale: Tensor | None, maximize: bool = False) -> Tensor:
@@ -56,19 +60,14 @@ def sgd_update_(
         found_inf: None, or a one-element float32 tensor on the parameters' device: when
             > 0 the call changes nothing (read by the op on the device).
     """
-    trained = _trained(params, directions, states)
-    if not trained:
+    params, directions, states = _trained(params, directions, states)
+    if not params:
         return
     momentum = group["momentum"]
-    bufs = []
-    if momentum != 0.0:
-        for p, _, s in trained:
-            if "momentum_buffer" not in s:
-                s["momentum_buffer"] = torch.zeros_like(p)
-            bufs.append(s["momentum_buffer"])
+    bufs = _buffers(params, states, "momentum_buffer") if momentum != 0.0 else []
     ops.sgd_epilogue_(
-        [p for p, _, _ in trained],
-        [d for _, d, _ in trained],
+        params,
+        directions,
         bufs,
         lr=group["lr"],
         momentum=momentum,
@@ -97,16 +96,13 @@ def adam_update_(
     moment ``state["exp_avg"]`` (the parameter's dtype) is created as zeros when missing;
     ``count``: the 1-based count of the bias correction.
     """
-    trained = _trained(params, directions, states)
-    if not trained:
+    params, directions, states = _trained(params, directions, states)
+    if not params:
         return
-    for p, _, s in trained:
-        if "exp_avg" not in s:
-            s["exp_avg"] = torch.zeros_like(p)
     ops.adam_epilogue_(
-        [p for p, _, _ in trained],
-        [d for _, d, _ in trained],
-        [s["exp_avg"] for _, _, s in trained],
+        params,
+        directions,
+        _buffers(params, states, "exp_avg"),
         lr=group["lr"],
         beta=group["momentum"],
         step=count,
@@ -118,14 +114,36 @@ def adam_update_(
     )
 
 
-def _trained(params: list[Tensor], directions: list, states: list[dict]) -> list[tuple]:
-    """(parameter, its direction in the parameter's accumulation dtype, its state) of
-    each parameter that has a gradient."""
-    trained = []
+def _trained(params: list[Tensor], directions: list, states: list[dict]) -> tuple[list, ...]:
+    """(the parameters that have a gradient, their directions in the parameter's
+    accumulation dtype, their states). The common case, every parameter with a gradient
+    and every direction in that dtype already, takes C calls alone."""
+    kinds = set(map(type, map(_GRAD, params))) | set(map(type, directions))
+    if len(params) == len(directions) == len(states) and type(None) not in kinds:
+        dtypes = set(map(_DTYPE, params))
+        if len(dtypes) == 1:
+            dtype = next(iter(dtypes))
+            if set(map(_DTYPE, directions)) == {ACCUMULATES_IN.get(dtype, dtype)}:
+                return params, directions, states
+    trained: tuple[list, list, list] = ([], [], [])
     for p, d, s in zip(params, directions, states, strict=True):
         if p.grad is not None:
             # upcast(d, p.dtype), inline: two Python calls and a no-op .to's dispatch
-            # saved per parameter where d is in that dtype already (the common case)
+            # saved per parameter where d is in that dtype already
             dtype = ACCUMULATES_IN.get(p.dtype, p.dtype)
-            trained.append((p, d if d.dtype == dtype else d.to(dtype), s))
+            trained[0].append(p)
+            trained[1].append(d if d.dtype == dtype else d.to(dtype))
+            trained[2].append(s)
     return trained
+
+
+def _buffers(params: list[Tensor], states: list[dict], key: str) -> list[Tensor]:
+    """``state[key]`` of every parameter's state, created as zeros like the parameter
+    where missing."""
+    try:
+        return list(map(operator.itemgetter(key), states))
+    except KeyError:
+        for p, s in zip(params, states, strict=True):
+            if key not in s:
+                s[key] = torch.zeros_like(p)
+        return list(map(operator.itemgetter(key), states))
