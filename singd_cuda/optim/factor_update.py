@@ -11,6 +11,7 @@ from torch.optim import Optimizer
 
 from ..curvature.layers import Layer
 from .finite import FACTORS
+from .grouped import stack_parts
 from .rule import LayerRule
 
 
@@ -25,9 +26,9 @@ def update_factors(opt: Optimizer, layers: list[Layer]) -> None:
     opt._undo.save(states)
     distribute_factors = opt._sync is not None and opt._sync.distribute_factors
     # per group: (rule, whether its start_factors is its own: LayerRule's starts nothing,
-    # so it is not called per layer)
+    # so it is not called per layer), and the layers that update
     rules: dict[int, tuple[LayerRule, bool]] = {}
-    stacks: dict[tuple, list[tuple[Layer, dict, dict]]] = {}
+    members: dict[int, list[tuple[Layer, dict, dict]]] = {}
     for layer, state in zip(updated, states, strict=True):
         pending = pending_of[layer]
         index = layer_group[layer]
@@ -44,12 +45,17 @@ def update_factors(opt: Optimizer, layers: list[Layer]) -> None:
                 opt._finite.flag(layer.weight.device, FACTORS).fill_(1.0)
             if not started:
                 continue  # the statistics cannot start this layer's factors (yet)
-        key = rule.group_key(layer, group, state)
-        stacks.setdefault((index, id(layer) if key is None else key), []).append(
-            (layer, state, pending)
-        )
-    for (index, _), members in stacks.items():
-        stacked_layers, states, pendings = (list(column) for column in zip(*members, strict=True))
-        group = groups[index]
-        rules[index][0].update_factors_many(stacked_layers, group, states, pendings, group["step"])
+        members.setdefault(index, []).append((layer, state, pending))
+    for index, entries in members.items():
+        group_layers, group_states, pendings = (list(c) for c in zip(*entries, strict=True))
+        group, rule = groups[index], rules[index][0]
+        keys = rule.group_keys(group_layers, group, group_states)
+        for part in stack_parts(group_layers, keys):
+            rule.update_factors_many(
+                [group_layers[i] for i in part],
+                group,
+                [group_states[i] for i in part],
+                [pendings[i] for i in part],
+                group["step"],
+            )
     opt._finite.check(opt._undo.updated(), FACTORS)

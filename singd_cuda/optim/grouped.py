@@ -34,6 +34,14 @@ def partition(items: Sequence, key: Callable[[object], Hashable]) -> list[list]:
     return list(parts.values())
 
 
+def stack_parts(layers: Sequence, keys: Sequence[Hashable | None]) -> list[list[int]]:
+    """The positions of ``layers`` split by their group ``keys`` (a rule's
+    ``group_keys``), a layer whose key is None alone."""
+    pairs = zip(layers, keys, strict=True)
+    stack_keys = [id(layer) if key is None else key for layer, key in pairs]
+    return partition(range(len(layers)), stack_keys.__getitem__)
+
+
 _SHAPE_DTYPE = operator.attrgetter("shape", "dtype")
 
 

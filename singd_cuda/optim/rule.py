@@ -64,6 +64,11 @@ class LayerRule(ABC):
         :meth:`apply_many`, precondition) as one stack (:mod:`.grouped`); None: alone."""
         return None
 
+    def group_keys(self, layers: list[Layer], group: dict, states: list[dict]) -> list:
+        """:meth:`group_key` of each of ``layers`` (a rule may answer for all at once)."""
+        pairs = zip(layers, states, strict=True)
+        return [self.group_key(layer, group, state) for layer, state in pairs]
+
     def update_factors_many(
         self,
         layers: list[Layer],

@@ -33,8 +33,8 @@ from .grouped import (
     ResidentStacks,
     StackedProduct,
     StackedSums,
-    partition,
     split_matrices,
+    stack_parts,
     stacked_gradients,
 )
 from .rule import LayerRule, scheduled
@@ -178,9 +178,7 @@ class SingdRule(LayerRule):
             self._apply_diagonal(layers, group, states, inv_scale, seed, found_inf)
             return
         params, directions, param_states = [], [], []
-        for part in partition(
-            range(len(layers)), lambda i: self._key_or_alone(layers[i], group, states[i])
-        ):
+        for part in self._parts(layers, group, [layer_states[0] for layer_states in states]):
             members = [layers[i] for i in part]
             member_states = [states[i] for i in part]
             naturals = self._natural_stacked(members, group, member_states, inv_scale, step)
@@ -224,9 +222,7 @@ class SingdRule(LayerRule):
             return self._stacked_diagonal_squares(layers, states, stacks)
         parts = [list(range(len(layers)))]
         if len(layers) > 1:  # a group's layers of several shapes: stacks per key
-            parts = partition(
-                range(len(layers)), lambda i: self._key_or_alone(layers[i], group, [states[i]])
-            )
+            parts = self._parts(layers, group, states)
         squares: list[DiagonalSquares | None] = [None] * len(layers)
         for part in parts:
             members, member_states = [layers[i] for i in part], [states[i] for i in part]
@@ -324,9 +320,21 @@ class SingdRule(LayerRule):
         dtypes = tuple(map(_DTYPE, parts))
         return (layer.dim_in, layer.dim_out, layer.weight.dtype, layer.weight.device, dtypes)
 
-    def _key_or_alone(self, layer, group, states):
-        key = self.group_key(layer, group, states[0])
-        return id(layer) if key is None else key
+    def group_keys(self, layers, group, states) -> list:
+        """:meth:`group_key` of each layer; layers whose factors are the rows of kept
+        stacks (made for layers of one key, whose states still hold the same parts) with
+        one weight dtype and device share the first one's, computed once."""
+        if (
+            len(layers) > 1
+            and self._resident.kept(layers, states) is not None
+            and len(set(map(_WEIGHT_DTYPE_DEVICE, layers))) == 1
+        ):
+            return [self.group_key(layers[0], group, states[0])] * len(layers)
+        return super().group_keys(layers, group, states)
+
+    def _parts(self, layers, group, states) -> list[list[int]]:
+        """``layers``' positions by :meth:`group_keys` (a layer without a key alone)."""
+        return stack_parts(layers, self.group_keys(layers, group, states))
 
     def update_factors_many(self, layers, group, states, pendings, step: int) -> None:
         """Every layer's :meth:`update_factors`, as one stack: one op call per operation
@@ -493,6 +501,7 @@ class SingdRule(LayerRule):
 
 
 _SIDES = ("K", "m_K", "C", "m_C")
+_WEIGHT_DTYPE_DEVICE = operator.attrgetter("weight.dtype", "weight.device")
 _DTYPE = operator.attrgetter("dtype")
 _OUTER_SIDES = operator.itemgetter("C", "K")
 _STACKED = ("dense", "block_diagonal", "hierarchical", "diagonal")  # vmap-safe structures

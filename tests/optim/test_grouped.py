@@ -548,3 +548,28 @@ def test_diagonal_squares_of_stacks_equal_one_layer_at_a_time(dtype, factor_dtyp
                 if isinstance(value, dict):
                     for name, part in value.items():
                         assert torch.equal(state[index][key][name], part), (key, name)
+
+
+@pytest.mark.parametrize("case", ["dense", "diagonal", "block_diagonal"])
+def test_group_keys_of_kept_stacks_are_each_layers_key(case):
+    """SINGD answers the group keys of layers whose factors are rows of kept stacks from
+    the first layer alone; the keys equal each layer's own, for the group, for all layers
+    (several shapes), and after a load (new tensors: keys computed one by one)."""
+    model = Stack(torch.float32)
+    opt = make(model, **CASES[case])
+    train(model, opt, batches(T + 1, torch.float32))
+    rule, group = opt._rules["singd"], opt.param_groups[0]
+    everyone = list(opt._layers)
+    body = [next(la for la in everyone if la.weight is model.body[i].weight) for i in (0, 2, 4)]
+    for layers in (body, everyone):
+        states = [opt.state[layer.weight] for layer in layers]
+        pairs = zip(layers, states, strict=True)
+        expected = [rule.group_key(layer, group, state) for layer, state in pairs]
+        assert rule.group_keys(layers, group, states) == expected
+    assert rule._resident.kept(body, [opt.state[layer.weight] for layer in body]) is not None
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    states = [opt.state[layer.weight] for layer in body]
+    assert rule._resident.kept(body, states) is None
+    assert rule.group_keys(body, group, states) == [
+        rule.group_key(layer, group, state) for layer, state in zip(body, states, strict=True)
+    ]
