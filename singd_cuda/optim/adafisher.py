@@ -28,7 +28,7 @@ from . import hyperparameters as hp
 from .base import KroneckerOptimizer, checked_fallback
 from .derived import DerivedCache, GroupCache
 from .graft import graft_
-from .grouped import ResidentStacks, partition
+from .grouped import ResidentStacks, partition, update_in_stacks
 from .rule import LayerRule, scheduled
 from .scale_out import DEFAULT_BUCKET_CAP_MB
 from .write import adam_update_
@@ -447,17 +447,14 @@ class AdaFisherRule(LayerRule):
         self._normalised.forget(*layers)
         self._stacked.forget(*layers)
         weight = 1.0 - group["ema_decay"]
-        rest: list[int] = []  # layers updated vector by vector
-        for part in self._parts(layers, states):
-            if len(part) == 1 or not self._ema_stacked(
-                [layers[i] for i in part],
-                [states[i] for i in part],
-                [pendings[i] for i in part],
-                weight,
-            ):
-                rest += part
-        if rest:
-            _ema_each([states[i] for i in rest], [pendings[i] for i in rest], weight)
+        update_in_stacks(
+            self._parts(layers, states),
+            layers,
+            states,
+            pendings,
+            lambda *part: self._ema_stacked(*part, weight),
+            lambda *rest: _ema_each(*rest, weight),
+        )
 
     def _parts(self, layers, states: list[dict]) -> list[list[int]]:
         """``layers``' positions by :func:`_stack_key`: one part when the layers are those

@@ -42,6 +42,27 @@ def stack_parts(layers: Sequence, keys: Sequence[Hashable | None]) -> list[list[
     return partition(range(len(layers)), stack_keys.__getitem__)
 
 
+def update_in_stacks(
+    parts: list[list[int]],
+    layers: Sequence,
+    states: Sequence[dict],
+    pendings: Sequence[dict],
+    stacked: Callable[[list, list, list], bool],
+    each: Callable[[list, list], None],
+) -> None:
+    """A factor update of ``layers`` split in ``parts`` (positions): ``stacked(layers,
+    states, pendings)`` of each part of two or more layers (False: it did nothing, the
+    part is left), then one ``each(states, pendings)`` of every layer left."""
+    rest: list[int] = []
+    for part in parts:
+        if len(part) == 1 or not stacked(
+            [layers[i] for i in part], [states[i] for i in part], [pendings[i] for i in part]
+        ):
+            rest += part
+    if rest:
+        each([states[i] for i in rest], [pendings[i] for i in rest])
+
+
 _SHAPE_DTYPE = operator.attrgetter("shape", "dtype")
 
 

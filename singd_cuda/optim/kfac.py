@@ -34,7 +34,13 @@ from .base import KroneckerOptimizer, checked_fallback
 from .derived import GroupCache
 from .factor_memory import warn_large_factors
 from .graft import graft_
-from .grouped import ResidentStacks, partition, split_matrices, stacked_gradients
+from .grouped import (
+    ResidentStacks,
+    partition,
+    split_matrices,
+    stacked_gradients,
+    update_in_stacks,
+)
 from .rule import LayerRule, scheduled
 from .scale_out import DEFAULT_BUCKET_CAP_MB
 from .write import sgd_update_
@@ -147,17 +153,14 @@ class KfacRule(LayerRule):
         factors (:class:`~.grouped.ResidentStacks`), for the others one multi-tensor multiply and
         add per decay; then the inversions that are due, one :func:`invert_into` per
         factor shape."""
-        rest: list[int] = []  # layers updated tensor by tensor
-        for part in partition(range(len(layers)), lambda i: _STACKABLE(layers[i])):
-            if len(part) == 1 or not self._ema_stacked(
-                [layers[i] for i in part],
-                [states[i] for i in part],
-                [pendings[i] for i in part],
-                group,
-            ):
-                rest += part
-        if rest:
-            _ema_each([states[i] for i in rest], [pendings[i] for i in rest], group)
+        update_in_stacks(
+            partition(range(len(layers)), lambda i: _STACKABLE(layers[i])),
+            layers,
+            states,
+            pendings,
+            lambda *part: self._ema_stacked(*part, group),
+            lambda *rest: _ema_each(*rest, group),
+        )
         due: dict[tuple, tuple[list[Tensor], list[Tensor]]] = {}  # by shape, dtype, device
         for layer, state in zip(layers, states, strict=True):
             state["factor_updates"] += 1
