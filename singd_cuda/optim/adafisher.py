@@ -373,7 +373,6 @@ def _stack_key(layer: Layer, state: dict) -> tuple:
 
 
 _SIDES = (("h", "in"), ("s", "out"))  # (EMA, its statistics in ``pending``)
-_WEIGHT_DTYPE = operator.attrgetter("weight.dtype")
 
 
 def _ema_each(states: list[dict], pendings: list[dict], weight: float) -> None:
@@ -402,7 +401,6 @@ class AdaFisherRule(LayerRule):
         self._normalised = DerivedCache()  # (s′, h′) of a layer alone, between updates
         self._stacked = GroupCache()  # (S′, H′) of a stack of layers, between updates
         self._resident = ResidentStacks(("h", "s"), named=False)  # EMAs of equal shapes
-        self._news: dict[int, Tensor] = {}  # id of an EMA stack -> its statistics' stack
         self._views = DiagonalViews()  # the parameters' views, between steps
         self._kept = KeptBatch()  # the last batch's lists, between steps
 
@@ -458,13 +456,9 @@ class AdaFisherRule(LayerRule):
 
     def _parts(self, layers, states: list[dict]) -> list[list[int]]:
         """``layers``' positions by :func:`_stack_key`: one part when the layers are those
-        of kept stacks whose rows the states still hold, with one weight dtype (the
-        steady state: then no key is computed)."""
-        if (
-            len(layers) > 1
-            and self._resident.kept(layers, states) is not None
-            and len(set(map(_WEIGHT_DTYPE, layers))) == 1
-        ):
+        of kept stacks whose rows the states still hold, with one weight dtype and device
+        (the steady state: then no key is computed)."""
+        if len(layers) > 1 and self._resident.kept_alike(layers, states) is not None:
             return [list(range(len(layers)))]
         return partition(range(len(layers)), lambda i: _stack_key(layers[i], states[i]))
 
@@ -478,12 +472,7 @@ class AdaFisherRule(LayerRule):
         stacks = self._resident.of(layers, states)
         for key, side in _SIDES:
             ema = stacks[key]
-            news = self._news.get(id(ema))
-            if news is None or news.shape != ema.shape or news.dtype != ema.dtype:
-                if len(self._news) >= 64:  # stacks replaced by loads: start over
-                    self._news.clear()
-                news = self._news[id(ema)] = ema.new_empty(ema.shape)
-            torch.stack([pending[side] for pending in pendings], out=news)
+            news = self._resident.gathered(ema, [pending[side] for pending in pendings])
             # lerp_ takes its weight as a scalar; mul_(decay) would allocate a 0-dim tensor
             ema.lerp_(news, weight)
         return True

@@ -151,6 +151,8 @@ class ResidentStacks:
         self._keys, self._named = keys, named
         # id of the first layer -> (layers, their states' entries as put in, stacks)
         self._kept: dict[int, tuple[list, list[Tensor], dict]] = {}
+        # id of a kept stack -> (the stack, the buffer of gathered())
+        self._scratch: dict[int, tuple[Tensor, Tensor]] = {}
 
     def kept(self, layers: Sequence, states: Sequence[dict]) -> dict | None:
         """The stacks of :meth:`of` when they are kept for exactly ``layers`` and the
@@ -164,6 +166,23 @@ class ResidentStacks:
         ):
             return kept[2]
         return None
+
+    def kept_alike(self, layers: Sequence[Layer], states: Sequence[dict]) -> dict | None:
+        """:meth:`kept`, when the layers' weights also still share one dtype and device (a
+        group key may hold them beside the entries' own, which kept stacks share)."""
+        if len(set(map(_WEIGHT_DTYPE_DEVICE, layers))) != 1:
+            return None
+        return self.kept(layers, states)
+
+    def gathered(self, stack: Tensor, tensors: Sequence[Tensor]) -> Tensor:
+        """``torch.stack(tensors)`` (one tensor a row of ``stack``, one of :meth:`of`'s
+        stacks, in its shape and dtype) into a buffer kept with ``stack``: a warm call
+        allocates nothing."""
+        entry = self._scratch.get(id(stack))
+        if entry is None or entry[0] is not stack:
+            buffer = torch.empty(stack.shape, dtype=stack.dtype, device=stack.device)
+            entry = self._scratch[id(stack)] = (stack, buffer)
+        return torch.stack(tensors, out=entry[1])
 
     def of(self, layers: Sequence, states: Sequence[dict]) -> dict:
         kept = self.kept(layers, states)
@@ -192,6 +211,8 @@ class ResidentStacks:
             if members.isdisjoint(map(id, entry[0]))
         }
         self._kept[id(layers[0])] = (list(layers), self._entries(states), stacks)
+        live = {id(stack) for entry in self._kept.values() for stack in _stacks_in(entry[2])}
+        self._scratch = {i: entry for i, entry in self._scratch.items() if i in live}
         return stacks
 
     def _entries(self, states: Sequence[dict]) -> list[Tensor]:
@@ -199,6 +220,12 @@ class ResidentStacks:
         if self._named:
             return [part for state in states for key in self._keys for part in state[key].values()]
         return [state[key] for state in states for key in self._keys]
+
+
+def _stacks_in(stacks: dict) -> list[Tensor]:
+    """The tensors of :meth:`ResidentStacks.of`'s {key: stack} or {key: {name: stack}}."""
+    values = stacks.values()
+    return [t for v in values for t in (v.values() if isinstance(v, dict) else (v,))]
 
 
 def _aligned_stack(tensors: Sequence[Tensor]) -> Tensor:
@@ -214,6 +241,7 @@ def _aligned_stack(tensors: Sequence[Tensor]) -> Tensor:
 
 
 _BASE = operator.attrgetter("_base")
+_WEIGHT_DTYPE_DEVICE = operator.attrgetter("weight.dtype", "weight.device")
 
 
 def stack_of_rows(rows: Sequence[Tensor]) -> Tensor | None:

@@ -193,7 +193,7 @@ class KfacRule(LayerRule):
         decay = group["stat_decay"] if counts[0] > 0 else 0.0
         stacks = self._resident.of(layers, states)
         for key, side in _SIDES:
-            news = torch.stack([pending[side] for pending in pendings])
+            news = self._resident.gathered(stacks[key], [pending[side] for pending in pendings])
             stacks[key].mul_(decay).add_(news, alpha=1.0 - decay)
         return True
 

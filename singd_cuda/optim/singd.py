@@ -324,11 +324,7 @@ class SingdRule(LayerRule):
         """:meth:`group_key` of each layer; layers whose factors are the rows of kept
         stacks (made for layers of one key, whose states still hold the same parts) with
         one weight dtype and device share the first one's, computed once."""
-        if (
-            len(layers) > 1
-            and self._resident.kept(layers, states) is not None
-            and len(set(map(_WEIGHT_DTYPE_DEVICE, layers))) == 1
-        ):
+        if len(layers) > 1 and self._resident.kept_alike(layers, states) is not None:
             return [self.group_key(layers[0], group, states[0])] * len(layers)
         return super().group_keys(layers, group, states)
 
@@ -501,7 +497,6 @@ class SingdRule(LayerRule):
 
 
 _SIDES = ("K", "m_K", "C", "m_C")
-_WEIGHT_DTYPE_DEVICE = operator.attrgetter("weight.dtype", "weight.device")
 _DTYPE = operator.attrgetter("dtype")
 _OUTER_SIDES = operator.itemgetter("C", "K")
 _STACKED = ("dense", "block_diagonal", "hierarchical", "diagonal")  # vmap-safe structures
