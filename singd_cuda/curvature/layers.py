@@ -354,20 +354,16 @@ def bypassed_modules(model: nn.Module) -> set[int]:
 
 def input_matrix(layer: Layer, x: Tensor, dtype: torch.dtype, weight: float = 1.0) -> Tensor:
     """a: (N, d_K) in ``dtype``, a new tensor: the layer input with ones for the bias,
-    scaled by 1/√N, then by √weight (a multiply by 1 changes nothing, so it is left out)."""
-    if x.requires_grad:  # a statistic, outside the graph (detach only what is in one)
-        x = x.detach()
-    rows = layer.kind.inputs(layer.module, x if x.dtype is dtype else x.to(dtype))
-    a = _scaled_rows(layer, rows)
-    return a if weight == 1.0 else a.mul_(math.sqrt(weight))
+    scaled by 1/√N, then by √weight (:meth:`RowMatrices.inputs`)."""
+    return RowMatrices(layer).inputs(x, dtype, weight)
 
 
-def _scaled_rows(layer: Layer, rows: Tensor) -> Tensor:
-    """[rows, 1] / √N for rows (N, d), the ones column for the layer's bias (left out
-    without one), in a new tensor: the column by one pad (not ones and a cat), then
-    divided in place."""
+def _scaled_rows(rows: Tensor, bias: bool) -> Tensor:
+    """[rows, 1] / √N for rows (N, d), the ones column for a bias (left out without
+    one), in a new tensor: the column by one pad (not ones and a cat), then divided in
+    place."""
     root = math.sqrt(max(rows.shape[0], 1))
-    if layer.bias is None:
+    if not bias:
         return rows / root
     return torch.constant_pad_nd(rows, (0, 1), 1.0).div_(root)
 
@@ -407,13 +403,8 @@ def misplaced_batch(layer: Layer, output: Tensor, batch_dim: int, model_batch: i
 
 
 def grad_output_matrix(layer: Layer, grad: Tensor, dtype) -> Tensor:
-    """g: (N, d_C) in ``dtype``, the raw output gradient (the optimizer scales the summed
-    statistics by the loss terms of their forwards); a view of ``grad`` where it can be."""
-    if grad.requires_grad:  # (a backward with create_graph=True)
-        grad = grad.detach()
-    if grad.dtype is not dtype:
-        grad = grad.to(dtype)
-    return layer.kind.output_gradients(layer.module, grad)
+    """g: (N, d_C) in ``dtype``, the raw output gradient (:meth:`RowMatrices.outputs`)."""
+    return RowMatrices(layer).outputs(grad, dtype)
 
 
 def reduced_input_matrix(
@@ -424,7 +415,9 @@ def reduced_input_matrix(
     the sample's rows of :meth:`LayerKind.inputs` (its positions: tokens, patches),
     ones for the bias, scaled by 1/√B."""
     rows = layer.kind.inputs(layer.module, x.detach().to(dtype))
-    return _scaled_rows(layer, _per_sample(layer, rows, grad, batch_dim, torch.mean))
+    return _scaled_rows(
+        _per_sample(layer, rows, grad, batch_dim, torch.mean), layer.bias is not None
+    )
 
 
 def reduced_grad_output_matrix(
@@ -448,6 +441,53 @@ def _per_sample(layer: Layer, rows: Tensor, grad: Tensor, batch_dim: int, reduce
     if layer.kind.features_last and len(lead) > batch_dim > 0:
         rows = rows.reshape(*lead, rows.shape[-1]).movedim(batch_dim, 0)
     return reduce(rows.reshape(batch, -1, rows.shape[-1]), 1)
+
+
+class RowMatrices:
+    """The rows one layer call contributes, a of :func:`input_matrix` and g of
+    :func:`grad_output_matrix`, with what depends on the layer alone decided once: its
+    kind's row maps and its bias. For the Linear kinds a 2-D input or gradient is its own
+    rows (``reshape`` would return a view of the same values), so a call makes no Python
+    call beyond these two methods and the ops themselves.
+    """
+
+    __slots__ = ("_bias", "_inputs", "_linear", "_module", "_outputs")
+
+    def __init__(self, layer: Layer) -> None:
+        kind = layer.kind
+        self._module, self._bias = layer.module, layer.bias is not None
+        self._inputs, self._outputs = kind.inputs, kind.output_gradients
+        cls = type(kind)
+        self._linear = (
+            cls.inputs is LayerKind.inputs and cls.output_gradients is LayerKind.output_gradients
+        )
+
+    def inputs(self, x: Tensor, dtype: torch.dtype, weight: float = 1.0) -> Tensor:
+        """a: (N, d_K) in ``dtype``, a new tensor: the rows of ``x`` with ones for the
+        bias, scaled by 1/√N, then by √weight (a multiply by 1 changes nothing, so it is
+        left out)."""
+        if x.requires_grad:  # a statistic, outside the graph (detach only what is in one)
+            x = x.detach()
+        if x.dtype is not dtype:
+            x = x.to(dtype)
+        if not self._linear:
+            rows = self._inputs(self._module, x)
+        else:
+            rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        a = _scaled_rows(rows, self._bias)
+        return a if weight == 1.0 else a.mul_(math.sqrt(weight))
+
+    def outputs(self, grad: Tensor, dtype: torch.dtype) -> Tensor:
+        """g: (N, d_C) in ``dtype``, the raw output gradient (the optimizer scales the
+        summed statistics by the loss terms of their forwards); a view of ``grad`` where it
+        can be."""
+        if grad.requires_grad:  # (a backward with create_graph=True)
+            grad = grad.detach()
+        if grad.dtype is not dtype:
+            grad = grad.to(dtype)
+        if not self._linear:
+            return self._outputs(self._module, grad)
+        return grad if grad.dim() == 2 else grad.reshape(-1, grad.shape[-1])
 
 
 class SquareSums:

@@ -39,9 +39,8 @@ from ..curvature.capture import CurvatureCapture, merge_statistics, take_over
 from ..curvature.discovery import find_layers
 from ..curvature.layers import (
     Layer,
+    RowMatrices,
     SquareSums,
-    grad_output_matrix,
-    input_matrix,
     own_parameter,
     reduced_grad_output_matrix,
     reduced_input_matrix,
@@ -219,6 +218,7 @@ class KroneckerOptimizer(Optimizer):
             layer: self._param_group[id(layer.weight)] for layer in self._layers + self._norm_layers
         }
         self._square_sums = {layer: SquareSums(layer) for layer in self._layers}
+        self._row_matrices = {layer: RowMatrices(layer) for layer in self._layers}
         self._wants: dict[int, tuple] = {}  # group index -> (step, T, wants statistics)
         self._call_plans: dict[Layer, tuple] = {}  # what decided a layer's last count
         self._statistics_plans: dict[Layer, tuple] = {}  # how its statistics accumulate
@@ -390,7 +390,7 @@ class KroneckerOptimizer(Optimizer):
         ``accumulate_diagonal``) only."""
         plan = self._statistics_plans.get(layer)
         if plan is not None and with_input:
-            group, structures, kfac_approx, weight_dtype, states, state, rule, dtype, sums = plan
+            group, structures, kfac_approx, weight_dtype, states, state, rule, dtype, reader = plan
             if (
                 self.param_groups[self._layer_group[layer]] is group
                 and group.get("structures") is structures
@@ -398,13 +398,13 @@ class KroneckerOptimizer(Optimizer):
                 and layer.weight.dtype is weight_dtype
                 and self.state is states
             ):
-                if sums is None:  # the rows of a and g
-                    a = input_matrix(layer, layer_input, dtype, weight)
-                    g = grad_output_matrix(layer, grad_output, dtype)
+                if type(reader) is RowMatrices:  # the rows of a and g
+                    a = reader.inputs(layer_input, dtype, weight)
+                    g = reader.outputs(grad_output, dtype)
                     rule.accumulate(layer, group, state, into, a, g)
                     return True
-                h = sums.inputs(layer_input, dtype, weight)
-                s = sums.outputs(grad_output, dtype)
+                h = reader.inputs(layer_input, dtype, weight)
+                s = reader.outputs(grad_output, dtype)
                 rule.accumulate_diagonal(layer, group, state, into, h, s)
                 return True
         group = self.param_groups[self._layer_group[layer]]
@@ -443,26 +443,28 @@ class KroneckerOptimizer(Optimizer):
             rule.accumulate_diagonal(layer, group, self._layer_state(layer, group), into, h, s)
             self._plan_statistics(layer, group, reduced, rule, dtype, sums)
             return True
+        rows = self._row_matrices[layer]
         if not with_input:  # no rows: the rules add nothing to the input side
             a = torch.zeros(0, layer.dim_in, dtype=dtype, device=device)
         elif a is not None:
             a = a.mul_(math.sqrt(weight))
         else:
-            a = input_matrix(layer, layer_input, dtype, weight)
+            a = rows.inputs(layer_input, dtype, weight)
         if g is None:
-            g = grad_output_matrix(layer, grad_output, dtype)
+            g = rows.outputs(grad_output, dtype)
         self._accumulate(layer, group, into, a, g)
-        self._plan_statistics(layer, group, reduced, rule, dtype, None)
+        self._plan_statistics(layer, group, reduced, rule, dtype, rows)
         return True
 
-    def _plan_statistics(self, layer, group, reduced: bool, rule, dtype, sums) -> None:
+    def _plan_statistics(self, layer, group, reduced: bool, rule, dtype, reader) -> None:
         """Keep how ``layer``'s statistics accumulate (:meth:`_accumulate_statistics`) in
-        one process without ``kfac_approx="reduce"``: from the rows of a and g (``sums``
-        None) or from their square sums (the layer's :class:`SquareSums`)."""
+        one process without ``kfac_approx="reduce"``: ``reader`` is the layer's
+        :class:`RowMatrices` (the rows of a and g) or its :class:`SquareSums` (their
+        square sums)."""
         if self._sync is None and not reduced:
             self._statistics_plans[layer] = (
                 group, group.get("structures"), group["kfac_approx"], layer.weight.dtype,
-                self.state, self._layer_state(layer, group), rule, dtype, sums,
+                self.state, self._layer_state(layer, group), rule, dtype, reader,
             )  # fmt: skip
 
     def _layer_state(self, layer: Layer, group: dict) -> dict:

@@ -118,9 +118,11 @@ def test_conv_sums_of_squares_are_the_patch_gram_diagonal(cls, conv, shape, grou
     ("make", "shape"),
     [
         (lambda b: nn.Linear(5, 3, bias=b), (4, 2, 5)),
+        (lambda b: nn.Linear(5, 3, bias=b), (4, 5)),
+        (lambda b: nn.Linear(5, 3, bias=b), (5,)),
         (lambda b: nn.Conv2d(2, 3, 3, bias=b), (2, 2, 5, 4)),
     ],
-    ids=["linear", "conv2d"],
+    ids=["linear", "linear-2d", "linear-unbatched", "conv2d"],
 )
 def test_input_matrix_is_the_scaled_rows_with_a_ones_column(make, shape, x_dtype, bias, weight):
     """a = [rows, 1] / √N · √weight, bitwise as the plain composition computes it, in
@@ -133,6 +135,7 @@ def test_input_matrix_is_the_scaled_rows_with_a_ones_column(make, shape, x_dtype
         x = torch.randn(shape, dtype=x_dtype, requires_grad=requires_grad)
         for dtype in (torch.float32, torch.float64):
             rows = layer.kind.inputs(module, x.detach().to(dtype))
+            assert rows.dim() == 2
             if bias:
                 rows = torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)
             expected = (rows / math.sqrt(rows.shape[0])).mul_(math.sqrt(weight))
@@ -140,3 +143,47 @@ def test_input_matrix_is_the_scaled_rows_with_a_ones_column(make, shape, x_dtype
             assert a.dtype == dtype and not a.requires_grad
             assert torch.equal(a, expected)
             assert a.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    ("make", "shape"),
+    [
+        (lambda: nn.Linear(5, 3), (4, 3)),
+        (lambda: nn.Linear(5, 3), (4, 2, 3)),
+        (lambda: nn.Linear(5, 3), (3,)),
+        (lambda: nn.Conv2d(2, 3, 3), (2, 3, 5, 4)),
+    ],
+    ids=["linear-2d", "linear", "linear-unbatched", "conv2d"],
+)
+def test_grad_output_matrix_is_the_kinds_rows(make, shape, x_dtype):
+    """g = the kind's output-gradient rows in the statistics' dtype, detached, a view of
+    the gradient where no cast is needed (the fast path of 2-D Linear gradients
+    included)."""
+    torch.manual_seed(0)
+    module = make()
+    layer = Layer("m", module, module.weight, module.bias)
+    for requires_grad in (False, True):
+        grad = torch.randn(shape, dtype=x_dtype, requires_grad=requires_grad)
+        for dtype in (torch.float32, torch.float64):
+            g = grad_output_matrix(layer, grad, dtype)
+            expected = layer.kind.output_gradients(module, grad.detach().to(dtype))
+            assert g.dim() == 2 and g.dtype == dtype and not g.requires_grad
+            assert torch.equal(g, expected)
+            if dtype == x_dtype and layer.kind.features_last:
+                assert g.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr()
+
+
+def test_rows_of_a_strided_linear_input_are_its_values():
+    """A 2-D input that is a strided view (a transposed tensor) gives the rows its values
+    hold, as the contiguous input does, bitwise."""
+    torch.manual_seed(0)
+    module = nn.Linear(5, 3)
+    layer = Layer("m", module, module.weight, module.bias)
+    x = torch.randn(5, 4).T
+    assert not x.is_contiguous()
+    assert torch.equal(
+        input_matrix(layer, x, torch.float32), input_matrix(layer, x.contiguous(), torch.float32)
+    )
+    g = torch.randn(3, 4).T
+    assert torch.equal(grad_output_matrix(layer, g, torch.float32), g)
