@@ -243,6 +243,8 @@ class FactorUndo:
         if self._saved is None:
             return []
         layout = self._layout
+        if layout.same_objects():
+            return layout.checked
         # the entry of states[i] at a key path, by C calls alone (no Python call a tensor)
         current = [reduce(getitem, path, layout.states[i]) for i, path in layout.vector_paths]
         current += [reduce(getitem, path, layout.states[i]) for i, path in layout.matrix_paths]
@@ -355,6 +357,8 @@ class _Layout:
                 position = start + paths.index((index, (key,))) if found else None
                 self.flags.append((state, key, position))
         self.lengths = [len(container) for container in self.containers]
+        self.slot_containers = [container for container, _ in self.slots]
+        self.slot_keys = [key for _, key in self.slots]
         self.saved_vectors: list[Tensor] = []
         self.saved_firsts: list[Tensor] = []  # the first entry each saved vector covers
         self.stacked: list[bool] = []  # per saved vector: whether it is a stack of entries
@@ -422,8 +426,14 @@ class _Layout:
             len(states) == len(self.states)
             and all(map(operator.is_, states, self.states))
             and list(map(len, self.containers)) == self.lengths
-            and all(map(operator.is_, [c.get(k) for c, k in self.slots], self.objects))
+            and self.same_objects()
         )
+
+    def same_objects(self) -> bool:
+        """Whether every slot still holds its object (so every entry at a key path from
+        the states is the one found), by C calls alone (no Python call a slot)."""
+        current = map(dict.get, self.slot_containers, self.slot_keys)
+        return all(map(operator.is_, current, self.objects))
 
 
 # The reasons of a skipped step, by priority (the flags of a step's FiniteCheck).

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Hashable, Sequence
-from itertools import chain
+from itertools import chain, repeat
+from operator import is_
 
 import torch
 from torch import Tensor
@@ -95,7 +96,7 @@ class StackedSums:
             kept is None
             or shapes != kept[1]
             or len(outs) != len(kept[0])
-            or not all(map(operator.is_, outs, kept[0]))
+            or not all(map(is_, outs, kept[0]))
         ):
             if len(self._kept) >= 64:  # many lists of outputs: start over
                 self._kept.clear()
@@ -149,23 +150,29 @@ class ResidentStacks:
 
     def __init__(self, keys: tuple[str, ...], named: bool) -> None:
         self._keys, self._named = keys, named
-        # id of the first layer -> (layers, their states' entries as put in, stacks)
-        self._kept: dict[int, tuple[list, list[Tensor], dict]] = {}
+        # id of the first layer -> (layers, where the rows are, stacks); where the rows
+        # are: (key, name or None, the rows put into the states under them)
+        self._kept: dict[int, tuple[list, list[tuple], dict]] = {}
         # id of a kept stack -> (the stack, the buffer of gathered())
         self._scratch: dict[int, tuple[Tensor, Tensor]] = {}
 
     def kept(self, layers: Sequence, states: Sequence[dict]) -> dict | None:
         """The stacks of :meth:`of` when they are kept for exactly ``layers`` and the
-        states still hold their rows, else None (nothing changes)."""
+        states still hold their rows (and, with ``named``, no other parts), else None
+        (nothing changes). The states are read by C calls alone (no Python call a row)."""
         kept = self._kept.get(id(layers[0]))
-        if (
-            kept is not None
-            and len(kept[0]) == len(layers)
-            and all(map(operator.is_, layers, kept[0]))
-            and all(map(operator.is_, self._entries(states), kept[1]))
-        ):
-            return kept[2]
-        return None
+        if kept is None or len(kept[0]) != len(layers) or not all(map(is_, layers, kept[0])):
+            return None
+        for key, name, rows in kept[1]:
+            entries = map(operator.itemgetter(key), states)
+            if name is not None:
+                parts = list(entries)
+                if any(map(operator.ne, map(len, parts), repeat(len(kept[2][key])))):
+                    return None
+                entries = map(dict.get, parts, repeat(name))
+            if not all(map(is_, entries, rows)):
+                return None
+        return kept[2]
 
     def kept_alike(self, layers: Sequence[Layer], states: Sequence[dict]) -> dict | None:
         """:meth:`kept`, when the layers' weights also still share one dtype and device (a
@@ -188,6 +195,7 @@ class ResidentStacks:
         kept = self.kept(layers, states)
         if kept is not None:
             return kept
+        placed = []  # (key, name or None, rows)
         if self._named:
             stacks = {
                 key: {
@@ -197,29 +205,27 @@ class ResidentStacks:
             }
             for key, parts in stacks.items():
                 for name, stack in parts.items():
-                    for state, row in zip(states, stack.unbind(0), strict=True):
+                    rows = stack.unbind(0)
+                    for state, row in zip(states, rows, strict=True):
                         state[key][name] = row
+                    placed.append((key, name, rows))
         else:
             stacks = {key: _aligned_stack([s[key] for s in states]) for key in self._keys}
             for key, stack in stacks.items():
-                for state, row in zip(states, stack.unbind(0), strict=True):
+                rows = stack.unbind(0)
+                for state, row in zip(states, rows, strict=True):
                     state[key] = row
+                placed.append((key, None, rows))
         members = set(map(id, layers))
         self._kept = {
             first: entry
             for first, entry in self._kept.items()
             if members.isdisjoint(map(id, entry[0]))
         }
-        self._kept[id(layers[0])] = (list(layers), self._entries(states), stacks)
+        self._kept[id(layers[0])] = (list(layers), placed, stacks)
         live = {id(stack) for entry in self._kept.values() for stack in _stacks_in(entry[2])}
         self._scratch = {i: entry for i, entry in self._scratch.items() if i in live}
         return stacks
-
-    def _entries(self, states: Sequence[dict]) -> list[Tensor]:
-        """The entries of every state, state by state."""
-        if self._named:
-            return [part for state in states for key in self._keys for part in state[key].values()]
-        return [state[key] for state in states for key in self._keys]
 
 
 def _stacks_in(stacks: dict) -> list[Tensor]:
@@ -262,7 +268,7 @@ def stack_of_rows(rows: Sequence[Tensor]) -> Tensor | None:
     if (
         extent > pitch
         or offsets != list(range(start, start + pitch * len(rows), pitch))
-        or not all(map(operator.is_, map(_BASE, rows), [base] * len(rows)))
+        or not all(map(is_, map(_BASE, rows), [base] * len(rows)))
         or len(set(map(_SHAPE_DTYPE, rows))) != 1
         or len(set(map(Tensor.stride, rows))) != 1
     ):

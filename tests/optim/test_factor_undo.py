@@ -150,3 +150,29 @@ def test_views_that_do_not_lie_as_rows_are_saved_one_by_one():
             v.fill_(0.0)
         undo.restore()
         assert all(torch.equal(v, b) for v, b in zip(vectors, before, strict=True)), name
+
+
+@pytest.mark.parametrize("where", ["nested dict", "entry of a nested dict", "top entry"])
+def test_updated_holds_what_an_update_put_in_the_states(where):
+    """After an update replaced an entry (at any depth: a new nested dict, a new tensor in
+    a kept one, a new top-level tensor), the tensors to check are the states' current
+    ones, so a non-finite value in the new tensor is seen; nothing replaced: the saved
+    layout's."""
+    undo = FactorUndo()
+    given = states()
+    undo.save(given)
+    kept = undo.updated()
+    assert undo.updated() is kept
+    new = torch.full((3,) if where == "top entry" else (2, 2), float("nan"))
+    if where == "nested dict":
+        given[0]["K"] = {"mat": new}
+    elif where == "entry of a nested dict":
+        given[0]["K"]["mat"] = new
+    else:
+        given[0]["h"] = new
+    checked = undo.updated()
+    assert any(t is new for t in checked)
+    assert len(checked) == len(kept)
+    undo.restore()
+    assert torch.equal(given[0]["h"], torch.arange(3.0))
+    assert torch.equal(given[0]["K"]["mat"], torch.ones(2, 2))

@@ -573,3 +573,45 @@ def test_group_keys_of_kept_stacks_are_each_layers_key(case):
     assert rule.group_keys(body, group, states) == [
         rule.group_key(layer, group, state) for layer, state in zip(body, states, strict=True)
     ]
+
+
+@pytest.mark.parametrize("named", [False, True])
+def test_resident_stacks_are_kept_while_the_states_hold_their_rows(named):
+    """kept() answers the stacks while the states hold the rows of(): not after a row
+    was replaced, (named) a part added or taken away, nor for other or fewer layers."""
+    layers = [object(), object(), object()]
+
+    def fresh() -> list[dict]:
+        if named:
+            return [{"K": {"diag": torch.randn(4)}, "C": {"diag": torch.randn(3)}} for _ in layers]
+        return [{"K": torch.randn(4), "C": torch.randn(3)} for _ in layers]
+
+    def entry(state, key):
+        return state[key]["diag"] if named else state[key]
+
+    resident = grouped.ResidentStacks(("K", "C"), named=named)
+    states = fresh()
+    values = [entry(s, "K").clone() for s in states]
+    stacks = resident.of(layers, states)
+    K = stacks["K"]["diag"] if named else stacks["K"]
+    assert torch.equal(K, torch.stack(values))
+    assert all(entry(s, "K")._base is K._base for s in states)
+    assert resident.kept(layers, states) is stacks
+    assert resident.of(layers, states) is stacks
+    assert resident.kept(layers[:2], states[:2]) is None
+    assert resident.kept(layers[::-1], states[::-1]) is None
+    replaced = [dict(s) if not named else {k: dict(v) for k, v in s.items()} for s in states]
+    if named:
+        replaced[2]["C"]["diag"] = torch.randn(3)
+    else:
+        replaced[2]["C"] = torch.randn(3)
+    assert resident.kept(layers, replaced) is None
+    if named:
+        for change in ("add", "remove"):
+            edited = [{k: dict(v) for k, v in s.items()} for s in states]
+            if change == "add":
+                edited[1]["K"]["extra"] = torch.randn(4)
+            else:
+                del edited[1]["K"]["diag"]
+            assert resident.kept(layers, edited) is None
+    assert resident.kept(layers, states) is stacks
