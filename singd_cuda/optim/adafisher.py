@@ -28,7 +28,7 @@ from . import hyperparameters as hp
 from .base import KroneckerOptimizer, checked_fallback
 from .derived import DerivedCache, GroupCache
 from .graft import graft_
-from .grouped import ResidentStacks, partition, update_in_stacks
+from .grouped import ResidentStacks, positions_by, update_in_stacks
 from .rule import LayerRule, scheduled
 from .scale_out import DEFAULT_BUCKET_CAP_MB
 from .write import adam_update_
@@ -460,7 +460,7 @@ class AdaFisherRule(LayerRule):
         (the steady state: then no key is computed)."""
         if len(layers) > 1 and self._resident.kept_alike(layers, states) is not None:
             return [list(range(len(layers)))]
-        return partition(range(len(layers)), lambda i: _stack_key(layers[i], states[i]))
+        return positions_by(list(map(_stack_key, layers, states)))
 
     def _ema_stacked(self, layers, states: list[dict], pendings: list[dict], weight: float):
         """The EMA of layers of equal shapes and dtypes on the stacks of their EMAs, when

@@ -7,12 +7,18 @@ as one stack; what the updates overwrite is saved first, so that a non-finite re
 
 from __future__ import annotations
 
+import operator
+from itertools import repeat
+
 from torch.optim import Optimizer
 
 from ..curvature.layers import Layer
+from .fallback import FALLBACK_KEY
 from .finite import FACTORS
-from .grouped import stack_parts
+from .grouped import positions_by, stack_parts
 from .rule import LayerRule
+
+_WEIGHT = operator.attrgetter("weight")
 
 
 def update_factors(opt: Optimizer, layers: list[Layer]) -> None:
@@ -21,41 +27,78 @@ def update_factors(opt: Optimizer, layers: list[Layer]) -> None:
     non-finite result in ``opt._finite``. ``opt``: a KroneckerOptimizer."""
     pending_of = opt._pending
     updated = [layer for layer in layers if layer in pending_of]
-    groups, layer_group = opt.param_groups, opt._layer_group
-    states = [opt._layer_state(layer, groups[layer_group[layer]]) for layer in updated]
+    groups = opt.param_groups
+    states = _weight_states(opt, updated)
     opt._undo.save(states)
+    if not updated:
+        opt._finite.check(opt._undo.updated(), FACTORS)
+        return
+    pendings = list(map(pending_of.__getitem__, updated))
+    indices = list(map(opt._layer_group.__getitem__, updated))
+    parts = positions_by(indices)  # per parameter group
+    rules = {indices[part[0]]: opt.rule_for(groups[indices[part[0]]]) for part in parts}
     distribute_factors = opt._sync is not None and opt._sync.distribute_factors
-    # per group: (rule, whether its start_factors is its own: LayerRule's starts nothing,
-    # so it is not called per layer), and the layers that update
-    rules: dict[int, tuple[LayerRule, bool]] = {}
-    members: dict[int, list[tuple[Layer, dict, dict]]] = {}
-    for layer, state in zip(updated, states, strict=True):
-        pending = pending_of[layer]
-        index = layer_group[layer]
-        group = groups[index]
-        if index not in rules:
-            rule = opt.rule_for(group)
-            rules[index] = rule, type(rule).start_factors is not LayerRule.start_factors
-        rule, starts = rules[index]
+    if distribute_factors or not all(
+        rules[indices[part[0]]].started(groups[indices[part[0]]], [states[i] for i in part])
+        for part in parts
+    ):
+        parts = _each_layer(opt, updated, states, pendings, indices, rules, distribute_factors)
+    for part in parts:
+        index = indices[part[0]]
+        group, rule = groups[index], rules[index]
+        group_layers = [updated[i] for i in part]
+        group_states = [states[i] for i in part]
+        group_pendings = [pendings[i] for i in part]
+        keys = rule.group_keys(group_layers, group, group_states)
+        for stack in stack_parts(group_layers, keys):
+            rule.update_factors_many(
+                [group_layers[i] for i in stack],
+                group,
+                [group_states[i] for i in stack],
+                [group_pendings[i] for i in stack],
+                group["step"],
+            )
+    opt._finite.check(opt._undo.updated(), FACTORS)
+
+
+def _weight_states(opt: Optimizer, layers: list[Layer]) -> list[dict]:
+    """The weights' states of ``layers`` (:meth:`_layer_state`: the factors of a layer at
+    its first statistics are created there), by C calls alone when every layer has its
+    factors already."""
+    states = list(map(opt.state.__getitem__, map(_WEIGHT, layers)))
+    if all(states) and not any(map(operator.contains, states, repeat(FALLBACK_KEY))):
+        return states
+    groups, layer_group = opt.param_groups, opt._layer_group
+    return [opt._layer_state(layer, groups[layer_group[layer]]) for layer in layers]
+
+
+def _each_layer(
+    opt: Optimizer,
+    layers: list[Layer],
+    states: list[dict],
+    pendings: list[dict],
+    indices: list[int],
+    rules: dict[int, LayerRule],
+    distribute_factors: bool,
+) -> list[list[int]]:
+    """Layer by layer, in order: the shared statistics' finish (``distribute_factors``)
+    and the rules' :meth:`~.rule.LayerRule.start_factors`; the positions per group of
+    the layers that go on to their factor update."""
+    groups = opt.param_groups
+    own_start = {
+        i: type(rule).start_factors is not LayerRule.start_factors for i, rule in rules.items()
+    }
+    going: dict[int, list[int]] = {}
+    for position, (layer, state, pending) in enumerate(zip(layers, states, pendings, strict=True)):
+        index = indices[position]
+        group, rule = groups[index], rules[index]
         if distribute_factors:
             rule.finish_shared(layer, group, state, pending)
-        if starts:
+        if own_start[index]:
             started = rule.start_factors(layer, group, state, pending)
             if started is None:  # out of the factor dtype: skipped as an overflow is
                 opt._finite.flag(layer.weight.device, FACTORS).fill_(1.0)
             if not started:
                 continue  # the statistics cannot start this layer's factors (yet)
-        members.setdefault(index, []).append((layer, state, pending))
-    for index, entries in members.items():
-        group_layers, group_states, pendings = (list(c) for c in zip(*entries, strict=True))
-        group, rule = groups[index], rules[index][0]
-        keys = rule.group_keys(group_layers, group, group_states)
-        for part in stack_parts(group_layers, keys):
-            rule.update_factors_many(
-                [group_layers[i] for i in part],
-                group,
-                [group_states[i] for i in part],
-                [pendings[i] for i in part],
-                group["step"],
-            )
-    opt._finite.check(opt._undo.updated(), FACTORS)
+        going.setdefault(index, []).append(position)
+    return list(going.values())

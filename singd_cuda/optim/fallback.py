@@ -14,11 +14,13 @@ from .. import ops
 from ..structures.base import upcast
 from .write import unscaled
 
+FALLBACK_KEY = "exp_avg_sq"  # an entry of the fallback's states alone
+
 
 def in_fallback(state: dict) -> bool:
     """Whether a parameter state is the fallback's (a preconditioned layer's parameters
     hold it while the layer waits for its first curvature statistics)."""
-    return "exp_avg_sq" in state
+    return FALLBACK_KEY in state
 
 
 def moment_dtype(param: Tensor) -> torch.dtype:

@@ -35,12 +35,20 @@ def partition(items: Sequence, key: Callable[[object], Hashable]) -> list[list]:
     return list(parts.values())
 
 
+def positions_by(keys: Sequence[Hashable]) -> list[list[int]]:
+    """The positions of ``keys`` split by value, each part in order, parts in order of
+    first appearance; one part, without a loop, when every key is equal (the common
+    case: one parameter group, one shape)."""
+    if keys and keys.count(keys[0]) == len(keys):
+        return [list(range(len(keys)))]
+    return partition(range(len(keys)), keys.__getitem__)
+
+
 def stack_parts(layers: Sequence, keys: Sequence[Hashable | None]) -> list[list[int]]:
     """The positions of ``layers`` split by their group ``keys`` (a rule's
     ``group_keys``), a layer whose key is None alone."""
     pairs = zip(layers, keys, strict=True)
-    stack_keys = [id(layer) if key is None else key for layer, key in pairs]
-    return partition(range(len(layers)), stack_keys.__getitem__)
+    return positions_by([id(layer) if key is None else key for layer, key in pairs])
 
 
 def update_in_stacks(

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from ..curvature.layers import Layer, gradient_matrix, split_matrix
-from ..structures.base import accumulation_dtype
+from ..structures.base import ACCUMULATES_IN, accumulation_dtype
 from . import hyperparameters as hp
 from .base import KroneckerOptimizer, checked_fallback
 from .derived import GroupCache
@@ -36,7 +36,7 @@ from .factor_memory import warn_large_factors
 from .graft import graft_
 from .grouped import (
     ResidentStacks,
-    partition,
+    positions_by,
     split_matrices,
     stacked_gradients,
     update_in_stacks,
@@ -78,10 +78,19 @@ _FACTOR_UPDATES = operator.itemgetter("factor_updates")
 _SIDES = (("A", "in"), ("G", "out"))  # (factor, its statistics in ``pending``)
 
 
-def _stack_key(layer: Layer, state: dict) -> tuple:
-    """Layers with equal keys can be preconditioned as one stack."""
-    inverse = state["A_inv"]
-    return (layer.dim_in, layer.dim_out, layer.weight.dtype, inverse.dtype, inverse.device)
+_SHAPE_DTYPE = operator.attrgetter("dim_in", "dim_out", "weight.dtype")
+_DTYPE_DEVICE = operator.attrgetter("dtype", "device")
+_A, _A_INV = operator.itemgetter("A"), operator.itemgetter("A_inv")
+_DTYPE, _WEIGHT_DTYPE = operator.attrgetter("dtype"), operator.attrgetter("weight.dtype")
+_FIRST = operator.itemgetter(0)
+
+
+def _stack_keys(layers: list[Layer], states: list[list[dict]]) -> list[tuple]:
+    """Layers with equal keys can be preconditioned as one stack: their shapes, weight
+    dtype, and their inverses' dtype and device (``states[i]``: the states of layer i's
+    parameters, the weight's first); by C calls alone (no Python call a layer)."""
+    inverses = map(_A_INV, map(_FIRST, states))
+    return list(zip(map(_SHAPE_DTYPE, layers), map(_DTYPE_DEVICE, inverses), strict=True))
 
 
 def _natural(state: dict, G: Tensor) -> Tensor:
@@ -143,8 +152,15 @@ class KfacRule(LayerRule):
     def group_key(self, layer, group, state):
         """Layers whose factors hold their statistics' dtype update together (the EMA is
         elementwise, whatever the shapes); others (low-precision factors) one by one."""
-        dtype = state["A"].dtype
-        return ("kfac", dtype) if dtype == accumulation_dtype(layer.weight.dtype) else None
+        return self.group_keys([layer], group, [state])[0]
+
+    def group_keys(self, layers, group, states) -> list:
+        """:meth:`group_key` of each layer, by C calls alone (no Python call a layer)."""
+        weight_dtypes = list(map(_WEIGHT_DTYPE, layers))
+        accumulating = map(ACCUMULATES_IN.get, weight_dtypes, weight_dtypes)
+        factor_dtypes = map(_DTYPE, map(_A, states))
+        pairs = zip(factor_dtypes, accumulating, strict=True)
+        return [("kfac", dtype) if dtype is acc else None for dtype, acc in pairs]
 
     def update_factors_many(self, layers, group, states, pendings, step: int) -> None:
         """A ← decay·A + (1 − decay)·A_new and G likewise for every layer (the first update
@@ -154,7 +170,7 @@ class KfacRule(LayerRule):
         add per decay; then the inversions that are due, one :func:`invert_into` per
         factor shape."""
         update_in_stacks(
-            partition(range(len(layers)), lambda i: _STACKABLE(layers[i])),
+            positions_by(list(map(_STACKABLE, layers))),
             layers,
             states,
             pendings,
@@ -220,7 +236,7 @@ class KfacRule(LayerRule):
         """G_inv ∇W A_inv of every layer, then one momentum SGD write of them all; small
         layers of equal shapes are preconditioned as one stack (:meth:`_naturals`)."""
         params, directions, param_states = [], [], []
-        for part in partition(range(len(layers)), lambda i: _stack_key(layers[i], states[i][0])):
+        for part in positions_by(_stack_keys(layers, states)):
             members = [layers[i] for i in part]
             member_states = [states[i] for i in part]
             naturals = self._naturals(members, member_states, inv_scale)

@@ -8,15 +8,19 @@ rows (FSDP2) go through the :class:`~singd_cuda.optim.scale_out.Shards` of the s
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
 from ..curvature.layers import Layer, gradient_matrix
 from ..structures.base import accumulation_dtype
+from .grouped import positions_by
 from .recipe import rescale_weight_
-from .rule import LayerRule
 from .write import gradient_factor
+
+_FIRST = operator.itemgetter(0)
 
 
 def precondition_layers(
@@ -26,43 +30,42 @@ def precondition_layers(
     unscaled when None); rules that fuse update their group's layers in one pass.
     ``found_inf``: None, or the step's skip flag decided on the device (every write
     consumes it). ``opt``: a KroneckerOptimizer."""
-    groups, layer_group, opt_state = opt.param_groups, opt._layer_group, opt.state
-    rules: dict[int, tuple[LayerRule, bool]] = {}  # per group: (rule, whether it fuses)
-    fused: dict[int, list[Layer]] = {}  # per group that fuses: its layers
-    fused_states: dict[int, list[list[dict]]] = {}  # and their parameters' states
-    for layer in layers:
-        index = layer_group[layer]
-        group = groups[index]
-        if index not in rules:
-            rule = opt.rule_for(group)
-            rules[index] = rule, rule.fuses_apply(group)
-        rule, fuses = rules[index]
-        states = list(map(opt_state.__getitem__, layer.params))
-        if not states[0]:
-            rule.init_state(layer, group, states[0])
-        if fuses:
-            fused.setdefault(index, []).append(layer)
-            fused_states.setdefault(index, []).append(states)
+    groups, opt_state = opt.param_groups, opt.state
+    indices = list(map(opt._layer_group.__getitem__, layers))
+    # each layer's parameters' states (created empty where missing), C calls a layer
+    layer_states = [list(map(opt_state.__getitem__, layer.params)) for layer in layers]
+    parts = positions_by(indices)  # per parameter group
+    one_group = len(parts) == 1
+    fused = []  # per group that fuses: (group, rule, its layers, their states)
+    for part in parts:
+        group = groups[indices[part[0]]]
+        rule = opt.rule_for(group)
+        members = layers if one_group else [layers[i] for i in part]
+        states_of = layer_states if one_group else [layer_states[i] for i in part]
+        if not all(map(_FIRST, states_of)):  # a layer without state yet
+            for layer, states in zip(members, states_of, strict=True):
+                if not states[0]:
+                    rule.init_state(layer, group, states[0])
+        if rule.fuses_apply(group):
+            fused.append((group, rule, members, states_of))
             continue
-        G = gradient_matrix(layer, accumulation_dtype(layer.weight.dtype))
-        if grad_scale is not None:
-            G = G / grad_scale.to(G.device, G.dtype)
-        if group["maximize"]:
-            G = G.neg()  # (never in place: G may be a view of the gradient)
-        seed = opt._seed(group, layer.weight)
-        rule.apply(layer, group, states, G, group["step"], seed, found_inf=found_inf)
-        if group["weight_rescale"]:
-            rescale_weight_(layer.weight)
+        for layer, states in zip(members, states_of, strict=True):
+            G = gradient_matrix(layer, accumulation_dtype(layer.weight.dtype))
+            if grad_scale is not None:
+                G = G / grad_scale.to(G.device, G.dtype)
+            if group["maximize"]:
+                G = G.neg()  # (never in place: G may be a view of the gradient)
+            seed = opt._seed(group, layer.weight)
+            rule.apply(layer, group, states, G, group["step"], seed, found_inf=found_inf)
+            if group["weight_rescale"]:
+                rescale_weight_(layer.weight)
     inv_scale = None
-    for index, members in fused.items():
-        group = opt.param_groups[index]
+    for group, rule, members, states_of in fused:
         if grad_scale is not None and inv_scale is None:
             inv_scale = grad_scale.to(members[0].weight.device, torch.float32).reciprocal()
         seed = opt._seed(group, members[0].weight)
         factor = gradient_factor(inv_scale, group, members[0].weight.device)
-        rules[index][0].apply_many(
-            members, group, fused_states[index], factor, group["step"], seed, found_inf=found_inf
-        )
+        rule.apply_many(members, group, states_of, factor, group["step"], seed, found_inf=found_inf)
         if group["weight_rescale"]:
             for layer in members:
                 rescale_weight_(layer.weight)

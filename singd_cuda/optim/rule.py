@@ -151,6 +151,12 @@ class LayerRule(ABC):
         ask for), both with nothing changed. The default starts nothing."""
         return True
 
+    def started(self, group: dict, states: list[dict]) -> bool:
+        """Whether :meth:`start_factors` has nothing to do for any of ``states`` (it would
+        return True for each, changing nothing), so a step need not call it per layer.
+        The default starts nothing."""
+        return True
+
     def factor_structures(self, group: dict) -> tuple[str, str]:
         """(K side, C side) structure names of the layer's factors, for the cost model."""
         return ("dense", "dense")

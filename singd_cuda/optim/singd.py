@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import operator
 from functools import lru_cache, partial
-from itertools import chain
+from itertools import chain, repeat
 from typing import Any, NamedTuple
 
 import torch
@@ -107,6 +107,10 @@ class SingdRule(LayerRule):
         state["C"] = S_C.eye(layer.dim_out, dtype=dtype, device=device).parts
         state["m_C"] = S_C.zeros(layer.dim_out, dtype=dtype, device=device).parts
         warm_start.init_state(group, state)
+
+    def started(self, group: dict, states: list[dict]) -> bool:
+        """Every layer's warm start is done (or none is asked for): C calls alone."""
+        return all(map(dict.get, states, repeat(warm_start.KEY), repeat(True)))
 
     def start_factors(self, layer, group, state, pending) -> bool | None:
         """The warm start (:mod:`.warm_start`) at the layer's first statistics step."""

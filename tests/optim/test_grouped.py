@@ -615,3 +615,43 @@ def test_resident_stacks_are_kept_while_the_states_hold_their_rows(named):
                 del edited[1]["K"]["diag"]
             assert resident.kept(layers, edited) is None
     assert resident.kept(layers, states) is stacks
+
+
+@pytest.mark.parametrize("factor_dtype", [None, torch.bfloat16])
+def test_kfac_group_keys_are_each_layers_key(factor_dtype):
+    """K-FAC answers the keys of all layers at once: each layer's own key, ("kfac",
+    dtype) for factors in the statistics' dtype, None (alone) for low-precision ones."""
+    from singd_cuda import KFAC
+
+    model = Stack(torch.float32)
+    opt = KFAC(model, lr=0.01, T=1, factor_dtype=factor_dtype)
+    train(model, opt, batches(2, torch.float32))
+    rule, group = opt.rule_for(opt.param_groups[0]), opt.param_groups[0]
+    layers = list(opt._layers)
+    states = [opt.state[layer.weight] for layer in layers]
+    keys = rule.group_keys(layers, group, states)
+    pairs = zip(layers, states, strict=True)
+    assert keys == [rule.group_key(layer, group, state) for layer, state in pairs]
+    assert keys == [None if factor_dtype else ("kfac", torch.float32)] * len(layers)
+
+
+def test_positions_by_splits_by_value_in_order_of_first_appearance():
+    assert grouped.positions_by([]) == []
+    assert grouped.positions_by(["a", "a", "a"]) == [[0, 1, 2]]
+    assert grouped.positions_by(["a", "b", "a", "c", "b"]) == [[0, 2], [1, 4], [3]]
+    assert grouped.stack_parts(["x", "y", "z"], [1, None, 1]) == [[0, 2], [1]]
+
+
+def test_singd_started_holds_once_every_warm_start_is_done():
+    """SINGD.started: False while a layer's warm start waits (start_factors has work),
+    True once every layer is started and for layers without a warm start."""
+    model = Stack(torch.float32)
+    opt = make(model, warm_start=True)
+    rule, group = opt.rule_for(opt.param_groups[0]), opt.param_groups[0]
+    states = [{} for _ in opt._layers]
+    for layer, state in zip(opt._layers, states, strict=True):
+        rule.init_state(layer, group, state)
+    assert not rule.started(group, states)
+    assert rule.started(group, [{} for _ in states])  # no warm start asked for
+    train(model, opt, batches(1, torch.float32))
+    assert rule.started(group, [opt.state[layer.weight] for layer in opt._layers])
