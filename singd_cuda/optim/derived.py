@@ -9,7 +9,7 @@ after an update recomputes them into the same buffers: no step allocates.
 from __future__ import annotations
 
 from collections.abc import Callable
-from itertools import repeat
+from itertools import count, repeat
 from operator import is_
 
 from torch import Tensor
@@ -22,7 +22,7 @@ Derive = Callable[..., tuple]
 
 
 class DerivedCache:
-    """One entry per layer: (sources, values, fresh).
+    """One entry per layer: (sources, values), fresh while the layer is in ``_fresh``.
 
     An entry is valid while the source tensors are the same objects (a loaded checkpoint
     brings new ones) and until :meth:`forget` (called by every factor update of the
@@ -30,16 +30,17 @@ class DerivedCache:
     """
 
     def __init__(self) -> None:
-        self._entries: dict[int, list] = {}
+        self._entries: dict[int, tuple] = {}
+        self._fresh: set[int] = set()  # ids of the layers whose entries are fresh
 
     def get(self, layer: Layer, sources: tuple[Tensor, ...], derive: Derive) -> tuple:
         entry = self._entries.get(id(layer))
         # map(operator.is_): the same test as a generator, without a Python call per source
         same = entry is not None and all(map(is_, entry[0], sources))
-        if same and entry[2]:
+        if same and id(layer) in self._fresh:
             return entry[1]
         values = derive(*sources, out=entry[1] if same else None)
-        self._entries[id(layer)] = [sources, values, True]
+        self.put(layer, sources, values)
         return values
 
     def get_many(
@@ -55,11 +56,11 @@ class DerivedCache:
         for position, (layer, layer_sources) in enumerate(zip(layers, sources, strict=True)):
             entry = entries.get(id(layer))
             same = entry is not None and all(map(is_, entry[0], layer_sources))
-            if same and entry[2]:
+            if same and id(layer) in self._fresh:
                 values.append(entry[1])
                 continue
             buffers = entry[1] if same else create(position, *layer_sources)
-            entries[id(layer)] = [layer_sources, buffers, True]
+            self.put(layer, layer_sources, buffers)
             values.append(buffers)
             stale.append(position)
         return values, stale
@@ -67,19 +68,16 @@ class DerivedCache:
     def put(self, layer: Layer, sources: tuple[Tensor, ...], values: tuple) -> None:
         """Hold ``values``, fresh, as derived from ``sources`` (computed for many layers
         at once by the caller)."""
-        self._entries[id(layer)] = [sources, values, True]
+        self._entries[id(layer)] = (sources, values)
+        self._fresh.add(id(layer))
 
     def values(self) -> list[tuple]:
         """The derived values held (stale ones included: they keep their buffers)."""
         return [entry[1] for entry in self._entries.values()]
 
     def forget(self, *layers: Layer) -> None:
-        """Mark the layers' values stale (their factors changed)."""
-        entries = self._entries
-        for layer in layers:
-            entry = entries.get(id(layer))
-            if entry is not None:
-                entry[2] = False
+        """Mark the layers' values stale (their factors changed): one C call."""
+        self._fresh.difference_update(map(id, layers))
 
 
 class GroupCache:
@@ -91,7 +89,9 @@ class GroupCache:
 
     def __init__(self) -> None:
         self._entries: dict[tuple[int, ...], tuple] = {}
+        # id of a layer -> the stamp of its last forget (a new one each forget)
         self._versions: dict[int, int] = {}
+        self._stamps = count(1)
 
     def get(
         self,
@@ -125,7 +125,5 @@ class GroupCache:
 
     def forget(self, *layers: Layer) -> None:
         """Mark the values of every group holding one of ``layers`` stale (their factors
-        changed)."""
-        versions = self._versions
-        for layer in layers:
-            versions[id(layer)] = versions.get(id(layer), 0) + 1
+        changed): each layer's stamp becomes a new one, C calls alone."""
+        self._versions.update(zip(map(id, layers), repeat(next(self._stamps))))

@@ -182,6 +182,10 @@ class ResidentStacks:
                 return None
         return kept[2]
 
+    def holds(self, stacks: dict) -> bool:
+        """Whether ``stacks`` (a return of :meth:`of`) are kept still."""
+        return any(entry[2] is stacks for entry in self._kept.values())
+
     def kept_alike(self, layers: Sequence[Layer], states: Sequence[dict]) -> dict | None:
         """:meth:`kept`, when the layers' weights also still share one dtype and device (a
         group key may hold them beside the entries' own, which kept stacks share)."""

@@ -9,6 +9,7 @@ live in bfloat16/float16 (``factor_dtype``) with float32 accumulation.
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from functools import lru_cache, partial
 from itertools import chain, repeat
 from typing import Any, NamedTuple
@@ -85,6 +86,8 @@ class SingdRule(LayerRule):
         self._views = DiagonalViews()  # diagonal path: the parameters' views, between steps
         self._kept = KeptBatch()  # diagonal path: the last batch's lists, between steps
         self._traces, self._means = StackedSums(), StackedSums()  # diagonal path: their sums
+        # diagonal path: id of kept stacks -> (the stacks, their squares, their _StackRows)
+        self._stack_rows: dict[int, tuple[dict, _StackedSquares | None, _StackRows]] = {}
 
     def _classes(self, group: dict) -> tuple[type[StructuredMatrix], type[StructuredMatrix]]:
         return _structure_classes(*group["structures"])
@@ -245,6 +248,11 @@ class SingdRule(LayerRule):
 
     def _stacked_diagonal_squares(self, layers, states, stacks: dict) -> list[DiagonalSquares]:
         """:meth:`_diagonal_squares` of layers whose factors are the rows of ``stacks``."""
+        return self._stacked_squares_of(layers, states, stacks).rows
+
+    def _stacked_squares_of(self, layers, states, stacks: dict) -> _StackedSquares:
+        """The :class:`_StackedSquares` of layers whose factors are the rows of
+        ``stacks``, recomputed when stale."""
         C, K = stacks["C"]["diag"], stacks["K"]["diag"]
 
         def derive(out: _StackedSquares | None) -> _StackedSquares:
@@ -254,7 +262,7 @@ class SingdRule(LayerRule):
                 self._squares.put(layer, (state["C"]["diag"], state["K"]["diag"]), row)
             return out
 
-        return self._stacked_squares.get(layers, (C, K), derive, into=True).rows
+        return self._stacked_squares.get(layers, (C, K), derive, into=True)
 
     def _update_diagonal_factors(self, layers, states, pendings, group: dict, step: int) -> None:
         """The diagonal factor update of both sides of every layer (``layers``: of one
@@ -262,7 +270,69 @@ class SingdRule(LayerRule):
         cached buffers (no allocation). The factors are rows of stacks
         (:class:`~.grouped.ResidentStacks`), so that the step saves and checks them as
         four tensors (:class:`~.finite.FactorUndo`)."""
-        self._resident.of(layers, states)
+        stacks = self._resident.of(layers, states)
+        if not self._update_stacked_diagonal(layers, states, pendings, stacks, group, step):
+            self._update_each_diagonal(layers, states, pendings, group, step)
+        self._forget(*layers)  # the squares were read; the factors changed
+
+    def _update_stacked_diagonal(self, layers, states, pendings, stacks, group, step) -> bool:
+        """:meth:`_update_diagonal_factors` of layers whose factors are the rows of
+        ``stacks``, with the lists of rows the op takes kept with the stacks and their
+        squares (a warm call builds the statistics' lists alone, by C calls); the scaling
+        of the means is one multiply of their stack. False (nothing done) for a single
+        layer."""
+        if len(layers) < 2:
+            return False
+        K = stacks["K"]["diag"]
+        acc = torch.float64 if K.dtype == torch.float64 else torch.float32
+        h_K = list(map(_DIAG, map(_PARTS, map(_IN, pendings))))
+        h_C = list(map(_DIAG, map(_PARTS, map(_OUT, pendings))))
+        if set(map(_DTYPE, h_K)) != {acc} or set(map(_DTYPE, h_C)) != {acc}:
+            h_K, h_C = [h.to(acc) for h in h_K], [h.to(acc) for h in h_C]
+        kfac_like = group["kfac_like"]
+        squares = None if kfac_like else self._stacked_squares_of(layers, states, stacks)
+        lists = self._rows_of_stacks(stacks, squares)
+        if squares is not None:
+            self._means(_interleaved(h_C, h_K), lists.sum_outs)
+            squares.means.mul_(squares.inv_dims)  # tr̄(H) of the other side
+        ops.diag_factor_update_(
+            lists.factors,
+            lists.momenta,
+            _interleaved(h_K, h_C),
+            lists.sum_outs,  # the means, scaled in place
+            lists.traces,  # tr̄(Π̂(otherᵀ other))
+            alpha1=0.0 if kfac_like else group["alpha1"],
+            beta1=scheduled(group["lr_cov"], step),
+            damping=scheduled(group["damping"], step),
+        )
+        return True
+
+    def _rows_of_stacks(self, stacks: dict, squares: _StackedSquares | None) -> _StackRows:
+        """The per-layer lists of rows :func:`diag_factor_update_` takes, of the factor
+        stacks and their squares, kept while both are the same objects."""
+        kept = self._stack_rows.get(id(stacks))
+        if kept is not None and kept[0] is stacks and kept[1] is squares:
+            return kept[2]
+        rows = {key: stacks[key]["diag"].unbind() for key in ("K", "C", "m_K", "m_C")}
+        sum_outs, traces = [], []
+        if squares is not None:
+            sum_outs = [part for row in squares.rows for part in row.mean_parts]
+            traces = [part for row in squares.rows for part in row.trace_parts]
+        lists = _StackRows(
+            _interleaved(rows["K"], rows["C"]),
+            _interleaved(rows["m_K"], rows["m_C"]),
+            sum_outs,
+            traces,
+        )
+        # entries of stacks no longer kept go (they would hold the stacks' memory)
+        self._stack_rows = {
+            i: entry for i, entry in self._stack_rows.items() if self._resident.holds(entry[0])
+        }
+        self._stack_rows[id(stacks)] = (stacks, squares, lists)
+        return lists
+
+    def _update_each_diagonal(self, layers, states, pendings, group: dict, step: int) -> None:
+        """:meth:`_update_diagonal_factors` layer by layer (each layer's squares)."""
         factors, momenta, h, a, b, means, inv_dims = [], [], [], [], [], [], []
         sums, sum_outs = [], []  # H's vectors and where their sums go
         for layer, state, pending in zip(layers, states, pendings, strict=True):
@@ -295,7 +365,6 @@ class SingdRule(LayerRule):
             beta1=scheduled(group["lr_cov"], step),
             damping=scheduled(group["damping"], step),
         )
-        self._forget(*layers)  # the squares were read above; the factors changed
 
     def accumulate_shared(self, layer, group, pending, a: Tensor, g: Tensor) -> None:
         """K-free statistics Π̂(aᵀa), Π̂(gᵀg) (dense Gram for structures that need it);
@@ -502,6 +571,9 @@ class SingdRule(LayerRule):
 
 _SIDES = ("K", "m_K", "C", "m_C")
 _DTYPE = operator.attrgetter("dtype")
+# a pending diagonal statistic's vector is pending[side].parts["diag"]
+_IN, _OUT = operator.itemgetter("in"), operator.itemgetter("out")
+_PARTS, _DIAG = operator.attrgetter("parts"), operator.itemgetter("diag")
 _OUTER_SIDES = operator.itemgetter("C", "K")
 _STACKED = ("dense", "block_diagonal", "hierarchical", "diagonal")  # vmap-safe structures
 
@@ -648,10 +720,29 @@ class _StackedSquares(NamedTuple):
     c2: Tensor
     k2: Tensor
     traces: Tensor
+    means: Tensor
     inv_dims: Tensor
     rounded: tuple[Tensor, Tensor] | None
     sums: Tensor  # (2, L, 1): the row sums, before they go into traces
     rows: list[DiagonalSquares]
+
+
+def _interleaved(first: Sequence, second: Sequence) -> list:
+    """[first[0], second[0], first[1], second[1], ...] by C calls alone."""
+    return list(chain.from_iterable(zip(first, second, strict=True)))
+
+
+class _StackRows(NamedTuple):
+    """The per-layer lists of rows :func:`~singd_cuda.ops.diag_factor_update_` takes for
+    layers whose factors and squares are stacked: the factors k and c of each layer in
+    turn, their momenta, the (1,) mean parts (where tr̄(H) of the other side is summed,
+    then scaled) and trace parts (tr̄(Π̂(otherᵀ other))) of each layer's squares (empty
+    for ``kfac_like``)."""
+
+    factors: list[Tensor]
+    momenta: list[Tensor]
+    sum_outs: list[Tensor]
+    traces: list[Tensor]
 
 
 def _stacked_square_buffers(C: Tensor, K: Tensor) -> _StackedSquares:
@@ -676,7 +767,8 @@ def _stacked_square_buffers(C: Tensor, K: Tensor) -> _StackedSquares:
         )
         for i in range(C.shape[0])
     ]
-    return _StackedSquares(c2, k2, traces, inv_dims, rounded, c2.new_empty((2, len(rows), 1)), rows)
+    sums = c2.new_empty((2, len(rows), 1))
+    return _StackedSquares(c2, k2, traces, means, inv_dims, rounded, sums, rows)
 
 
 def _fill_stacked_squares(C: Tensor, K: Tensor, out: _StackedSquares) -> None:

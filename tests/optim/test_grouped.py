@@ -516,8 +516,9 @@ def test_adafisher_overflow_in_stacked_emas_restores_them():
 @pytest.mark.parametrize("kfac_like", [False, True], ids=["singd", "ikfac"])
 def test_diagonal_squares_of_stacks_equal_one_layer_at_a_time(dtype, factor_dtype, kfac_like):
     """SINGD's diagonal path derives c², k² and their traces for the layers whose factors
-    are rows of kept stacks as rows of stacked buffers, filled a few calls for all; the
-    same training as deriving them layer by layer, bit for bit (T = 1 and 2)."""
+    are rows of kept stacks as rows of stacked buffers, filled a few calls for all, and
+    updates them from lists of rows kept with the stacks; the same training as deriving
+    and updating them layer by layer, bit for bit (T = 1 and 2)."""
     data = batches(4 * T, dtype)
     for period in (1, 2):
         runs = []
@@ -533,12 +534,15 @@ def test_diagonal_squares_of_stacks_equal_one_layer_at_a_time(dtype, factor_dtyp
                 factor_dtype=factor_dtype,
             )
             rule = opt._rules["singd"]
-            if not stacked:  # no kept stacks: every layer's squares alone
+            if not stacked:  # no kept stacks: every layer's squares and update alone
                 rule._resident.kept = lambda layers, states: None
+                rule._update_stacked_diagonal = lambda *args: False
             train(model, opt, data)
             runs.append((model, opt))
             if stacked:  # the group of three 12 -> 12 layers took the stacked path
                 assert len(rule._stacked_squares.values()) >= 1
+                kept = [entry[0] for entry in rule._stack_rows.values()]
+                assert kept and all(map(rule._resident.holds, kept))
         (model, opt), (reference, reference_opt) = runs
         for a, b in zip(model.parameters(), reference.parameters(), strict=True):
             assert torch.equal(a, b)
@@ -655,3 +659,20 @@ def test_singd_started_holds_once_every_warm_start_is_done():
     assert rule.started(group, [{} for _ in states])  # no warm start asked for
     train(model, opt, batches(1, torch.float32))
     assert rule.started(group, [opt.state[layer.weight] for layer in opt._layers])
+
+
+def test_diagonal_update_lists_go_with_their_stacks():
+    """The lists of rows the diagonal factor update keeps belong to kept stacks only: a
+    load (new tensors, new stacks at the next update) lets the old ones go."""
+    model = Stack(torch.float32)
+    opt = make(model, structures="diagonal")
+    train(model, opt, batches(T + 1, torch.float32))
+    rule = opt._rules["singd"]
+    first = [entry[0] for entry in rule._stack_rows.values()]
+    assert first and all(map(rule._resident.holds, first))
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    train(model, opt, batches(T + 1, torch.float32))
+    stacks = [entry[0] for entry in rule._stack_rows.values()]
+    assert len(stacks) == len(first) and all(map(rule._resident.holds, stacks))
+    assert not any(map(rule._resident.holds, first))
+    assert not {id(s) for s in stacks} & {id(s) for s in first}
