@@ -32,6 +32,7 @@ Common conventions of the in-place list ops:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import chain
 
 import torch
 from torch import Tensor
@@ -75,7 +76,7 @@ def _bump_versions(*tensor_lists: Sequence[Tensor]) -> None:
     """The kernels write through data pointers, unseen by autograd: bump the version
     counters as an in-place aten op would, so that backward through a tensor saved before
     the update raises instead of silently using the new values."""
-    torch.autograd.graph.increment_version([t for tensors in tensor_lists for t in tensors])
+    torch.autograd.graph.increment_version(list(chain.from_iterable(tensor_lists)))
 
 
 def sgd_epilogue_(
