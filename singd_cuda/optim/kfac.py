@@ -83,6 +83,7 @@ _DTYPE_DEVICE = operator.attrgetter("dtype", "device")
 _A, _A_INV = operator.itemgetter("A"), operator.itemgetter("A_inv")
 _DTYPE, _WEIGHT_DTYPE = operator.attrgetter("dtype"), operator.attrgetter("weight.dtype")
 _FIRST = operator.itemgetter(0)
+_PARAMS = operator.attrgetter("params")
 
 
 def _stack_keys(layers: list[Layer], states: list[list[dict]]) -> list[tuple]:
@@ -91,6 +92,15 @@ def _stack_keys(layers: list[Layer], states: list[list[dict]]) -> list[tuple]:
     parameters, the weight's first); by C calls alone (no Python call a layer)."""
     inverses = map(_A_INV, map(_FIRST, states))
     return list(zip(map(_SHAPE_DTYPE, layers), map(_DTYPE_DEVICE, inverses), strict=True))
+
+
+def _stacked_inverses(layers: list[Layer], states: list[dict], dtype) -> tuple:
+    """(G_inv (L, d_C, d_C), A_inv (L, d_K, d_K)) of layers of equal shapes stacked in
+    ``dtype``, the (L, d_C, d_K) buffer their preconditioned gradients go into, and its
+    views split into the layers' parameters (:func:`~.grouped.split_matrices`)."""
+    G_inv, A_inv = (torch.stack([s[key] for s in states]).to(dtype) for key in ("G_inv", "A_inv"))
+    naturals = G_inv.new_empty((len(layers), G_inv.shape[1], A_inv.shape[2]))
+    return G_inv, A_inv, naturals, split_matrices(layers, naturals)
 
 
 def _natural(state: dict, G: Tensor) -> Tensor:
@@ -234,45 +244,41 @@ class KfacRule(LayerRule):
 
     def apply_many(self, layers, group, states, inv_scale, step: int, seed: int, found_inf=None):
         """G_inv ∇W A_inv of every layer, then one momentum SGD write of them all; small
-        layers of equal shapes are preconditioned as one stack (:meth:`_naturals`)."""
+        layers of equal shapes are preconditioned as one stack (:meth:`_directions`)."""
         params, directions, param_states = [], [], []
         for part in positions_by(_stack_keys(layers, states)):
             members = [layers[i] for i in part]
             member_states = [states[i] for i in part]
-            naturals = self._naturals(members, member_states, inv_scale)
-            for layer, layer_states in zip(members, member_states, strict=True):
-                params += layer.params
-                param_states += layer_states
-            directions += split_matrices(members, naturals)
+            params += chain.from_iterable(map(_PARAMS, members))
+            param_states += chain.from_iterable(member_states)
+            directions += self._directions(members, member_states, inv_scale)
         graft_(params, directions, param_states, group, inv_scale, found_inf)
         sgd_update_(params, directions, param_states, group, seed, found_inf)
 
-    def _naturals(self, layers, states, inv_scale) -> Tensor | list[Tensor]:
-        """G_inv ∇W A_inv (unscaled) of layers of equal shapes: as batched products over
+    def _directions(self, layers, states, inv_scale) -> list[Tensor]:
+        """G_inv ∇W A_inv (unscaled) of layers of equal shapes, split into their
+        parameters' shapes (weight, bias of each layer in turn): as batched products over
         their stacked gradients and inverses when the stacked inverses are small (at most
-        ``SMALL_STACK`` values; kept until the next inversion of any of them), stacked
-        (L, d_C, d_K), else one layer at a time, a list."""
+        ``SMALL_STACK`` values), into a buffer kept with them until the next inversion of
+        any of the layers (its split views kept too), else one layer at a time."""
         first = layers[0]
         dtype = accumulation_dtype(first.weight.dtype)
         if len(layers) > 1 and len(layers) * (first.dim_in**2 + first.dim_out**2) <= SMALL_STACK:
             first_states = [s[0] for s in states]  # (a tuple of C calls: no generator)
             sources = tuple(chain.from_iterable(map(_INVERSES, first_states)))
-            G_inv, A_inv = self._stacked.get(
-                layers,
-                sources,
-                lambda: tuple(
-                    torch.stack([s[0][key] for s in states]).to(dtype) for key in ("G_inv", "A_inv")
-                ),
+            G_inv, A_inv, naturals, views = self._stacked.get(
+                layers, sources, lambda: _stacked_inverses(layers, first_states, dtype)
             )
             G = stacked_gradients(layers, dtype, inv_scale=inv_scale)
-            return torch.bmm(torch.bmm(G_inv, G), A_inv)
+            torch.bmm(torch.bmm(G_inv, G), A_inv, out=naturals)
+            return views
         naturals = []
         for layer, layer_states in zip(layers, states, strict=True):
             G = gradient_matrix(layer, dtype)
             if inv_scale is not None:
                 G = G * inv_scale.to(G.dtype)  # G may be a view of the gradient
             naturals.append(_natural(layer_states[0], G))
-        return naturals
+        return split_matrices(layers, naturals)
 
     def natural_rows(self, layer, group, state, G: Tensor, rows: slice, step: int) -> Tensor:
         """Rows ``rows`` of G_inv ∇W A_inv (G holds every row)."""

@@ -212,3 +212,27 @@ def test_factor_ema_on_stacks_equals_one_tensor_at_a_time(dtype, hyper, late_lay
     factors = [opt.state[model.body[i].weight]["A"] for i in (0, 2, 4)]
     assert len({f.untyped_storage().data_ptr() for f in factors}) == 1
     assert all(f.data_ptr() % 64 == 0 for f in factors)
+
+
+def test_stacked_directions_go_into_a_buffer_kept_between_inversions():
+    """Layers of equal shapes are preconditioned by batched products into a buffer kept
+    with their stacked inverses: each step it holds G_inv ∇W A_inv of that step's
+    gradients (the directions the write took are its views), the same buffer between
+    inversions, a new one after an inversion."""
+    from singd_cuda.optim.grouped import stacked_gradients
+
+    model = _Repeated(torch.float64)
+    opt = KFAC(model, lr=0.05, T=1, T_inv=3)
+    body = [next(la for la in opt._layers if la.weight is model.body[i].weight) for i in (0, 2, 4)]
+    g = torch.Generator().manual_seed(1)
+    pointers = []
+    for _ in range(5):
+        opt.zero_grad()
+        model(torch.randn(8, 6, generator=g, dtype=torch.float64)).square().mean().backward()
+        opt.step()
+        (G_inv, A_inv, naturals, views), *_ = opt._rule._stacked.values()
+        expected = torch.bmm(torch.bmm(G_inv, stacked_gradients(body, torch.float64)), A_inv)
+        assert torch.equal(naturals, expected)
+        assert all(view._base is naturals for view in views) and len(views) == 6
+        pointers.append(naturals.data_ptr())
+    assert pointers[1] == pointers[2] != pointers[3] == pointers[4]
