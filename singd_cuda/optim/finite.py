@@ -27,6 +27,7 @@ from .grouped import partition, stack_of_rows
 
 # what tensors that one fused check takes share
 _GROUP = operator.attrgetter("device", "dtype", "is_sparse")
+_PARTS = operator.attrgetter("parts")
 
 
 class FiniteCheck:
@@ -59,9 +60,7 @@ class FiniteCheck:
         return self._buffers[device][0][reason : reason + 1]
 
     def check(self, tensors: Iterable[Tensor], reason: int) -> None:
-        tensors = list(tensors)
-        if not all(map(Tensor.numel, tensors)):
-            tensors = [t for t in tensors if t.numel()]
+        tensors = list(filter(Tensor.numel, tensors))  # (empty ones hold nothing to check)
         if not tensors:
             return
         keys = list(map(_GROUP, tensors))
@@ -156,13 +155,16 @@ def tensors_of(value: Any) -> list[Tensor]:
 def statistics_tensors(pending: dict[Any, dict]) -> list[Tensor]:
     """:func:`tensors_of` a step's {layer: statistics}, faster in the common case of
     plain tensors (a list per layer, no recursion)."""
-    found = [t for statistics in pending.values() for t in statistics.values()]
+    found = list(itertools.chain.from_iterable(map(dict.values, pending.values())))
     kinds = set(map(type, found))
     if kinds <= PLAIN:
-        return [t for t in found if t.is_floating_point()]
+        return list(filter(Tensor.is_floating_point, found))
+    if kinds.isdisjoint(PLAIN) and all(issubclass(kind, StructuredMatrix) for kind in kinds):
+        parts = itertools.chain.from_iterable(map(dict.values, map(_PARTS, found)))
+        return list(filter(Tensor.is_floating_point, parts))
     if all(issubclass(kind, StructuredMatrix) for kind in kinds - PLAIN):  # one call a type
         parts = [t.parts.values() if type(t) is not Tensor else (t,) for t in found]
-        return [t for t in itertools.chain.from_iterable(parts) if t.is_floating_point()]
+        return list(filter(Tensor.is_floating_point, itertools.chain.from_iterable(parts)))
     return tensors_of(pending)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Mapping
+from itertools import chain
 
 import torch
 from torch import Tensor
@@ -20,6 +21,7 @@ from ..structures.base import ACCUMULATES_IN, HALF_DTYPES, PLAIN, StructuredMatr
 
 _DEVICE_DTYPE = operator.attrgetter("device", "dtype")
 _DTYPE = operator.attrgetter("dtype")
+_PARTS = operator.attrgetter("parts")
 
 
 class StatisticsNormaliser:
@@ -64,7 +66,7 @@ class StatisticsNormaliser:
         # one device and accumulation dtype: one call, no grouping
         tensors = statistics if kinds == PLAIN else None
         if len(kinds) == 1 and issubclass(next(iter(kinds)), StructuredMatrix):
-            tensors = [part for statistic in statistics for part in statistic.parts.values()]
+            tensors = list(chain.from_iterable(map(dict.values, map(_PARTS, statistics))))
         if tensors is not None:
             keys = list(map(_DEVICE_DTYPE, tensors))
             if keys.count(keys[0]) == len(keys) and keys[0][1] not in HALF_DTYPES:
