@@ -13,7 +13,7 @@ layout does not change); SINGD's and K-FAC's factors are rows of kept stacks
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from itertools import chain, repeat
 from operator import is_
 
@@ -33,6 +33,11 @@ def partition(items: Sequence, key: Callable[[object], Hashable]) -> list[list]:
     for item in items:
         parts.setdefault(key(item), []).append(item)
     return list(parts.values())
+
+
+def interleaved(first: Iterable, second: Iterable) -> list:
+    """[first[0], second[0], first[1], second[1], ...] (equal lengths) by C calls alone."""
+    return list(chain.from_iterable(zip(first, second, strict=True)))
 
 
 def positions_by(keys: Sequence[Hashable]) -> list[list[int]]:

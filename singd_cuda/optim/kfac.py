@@ -36,6 +36,7 @@ from .factor_memory import warn_large_factors
 from .graft import graft_
 from .grouped import (
     ResidentStacks,
+    interleaved,
     positions_by,
     split_matrices,
     stacked_gradients,
@@ -81,6 +82,8 @@ _SIDES = (("A", "in"), ("G", "out"))  # (factor, its statistics in ``pending``)
 _SHAPE_DTYPE = operator.attrgetter("dim_in", "dim_out", "weight.dtype")
 _DTYPE_DEVICE = operator.attrgetter("dtype", "device")
 _A, _A_INV = operator.itemgetter("A"), operator.itemgetter("A_inv")
+_G, _G_INV = operator.itemgetter("G"), operator.itemgetter("G_inv")
+_SHAPE_DTYPE_DEVICE = operator.attrgetter("shape", "dtype", "device")
 _DTYPE, _WEIGHT_DTYPE = operator.attrgetter("dtype"), operator.attrgetter("weight.dtype")
 _FIRST = operator.itemgetter(0)
 _PARAMS = operator.attrgetter("params")
@@ -187,24 +190,25 @@ class KfacRule(LayerRule):
             lambda *part: self._ema_stacked(*part, group),
             lambda *rest: _ema_each(*rest, group),
         )
-        due: dict[tuple, tuple[list[Tensor], list[Tensor]]] = {}  # by shape, dtype, device
+        period = group["T_inv"] or 1
+        due, inverting = [], []  # the states whose inversions are due, and their layers
         for layer, state in zip(layers, states, strict=True):
             state["factor_updates"] += 1
-            first = state["factor_updates"] == 1
-            if first or step - state["inverted_at"] >= (group["T_inv"] or 1):
+            if state["factor_updates"] == 1 or step - state["inverted_at"] >= period:
                 state["inverted_at"] = step
-                self._stacked.forget(layer)
-                for key in ("A", "G"):
-                    factor = state[key]
-                    factors, targets = due.setdefault(
-                        (factor.shape[0], factor.dtype, factor.device), ([], [])
-                    )
-                    factors.append(factor)
-                    targets.append(state[f"{key}_inv"])
-        if due:
-            root = math.sqrt(scheduled(group["damping"], step))
-            for factors, targets in due.values():
-                invert_into(factors, targets, root, group["inverse"])
+                due.append(state)
+                inverting.append(layer)
+        if not due:
+            return
+        self._stacked.forget(*inverting)
+        # A and G of each layer in turn, one invert_into per (shape, dtype, device)
+        factors = interleaved(map(_A, due), map(_G, due))
+        targets = interleaved(map(_A_INV, due), map(_G_INV, due))
+        root = math.sqrt(scheduled(group["damping"], step))
+        for part in positions_by(list(map(_SHAPE_DTYPE_DEVICE, factors))):
+            invert_into(
+                [factors[i] for i in part], [targets[i] for i in part], root, group["inverse"]
+            )
 
     def _ema_stacked(self, layers, states: list[dict], pendings: list[dict], group: dict) -> bool:
         """The EMA of layers of equal shapes on the stacks of their factors, when every

@@ -9,7 +9,6 @@ live in bfloat16/float16 (``factor_dtype``) with float32 accumulation.
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
 from functools import lru_cache, partial
 from itertools import chain, repeat
 from typing import Any, NamedTuple
@@ -34,6 +33,7 @@ from .grouped import (
     ResidentStacks,
     StackedProduct,
     StackedSums,
+    interleaved,
     split_matrices,
     stack_parts,
     stacked_gradients,
@@ -293,12 +293,12 @@ class SingdRule(LayerRule):
         squares = None if kfac_like else self._stacked_squares_of(layers, states, stacks)
         lists = self._rows_of_stacks(stacks, squares)
         if squares is not None:
-            self._means(_interleaved(h_C, h_K), lists.sum_outs)
+            self._means(interleaved(h_C, h_K), lists.sum_outs)
             squares.means.mul_(squares.inv_dims)  # tr̄(H) of the other side
         ops.diag_factor_update_(
             lists.factors,
             lists.momenta,
-            _interleaved(h_K, h_C),
+            interleaved(h_K, h_C),
             lists.sum_outs,  # the means, scaled in place
             lists.traces,  # tr̄(Π̂(otherᵀ other))
             alpha1=0.0 if kfac_like else group["alpha1"],
@@ -319,8 +319,8 @@ class SingdRule(LayerRule):
             sum_outs = [part for row in squares.rows for part in row.mean_parts]
             traces = [part for row in squares.rows for part in row.trace_parts]
         lists = _StackRows(
-            _interleaved(rows["K"], rows["C"]),
-            _interleaved(rows["m_K"], rows["m_C"]),
+            interleaved(rows["K"], rows["C"]),
+            interleaved(rows["m_K"], rows["m_C"]),
             sum_outs,
             traces,
         )
@@ -725,11 +725,6 @@ class _StackedSquares(NamedTuple):
     rounded: tuple[Tensor, Tensor] | None
     sums: Tensor  # (2, L, 1): the row sums, before they go into traces
     rows: list[DiagonalSquares]
-
-
-def _interleaved(first: Sequence, second: Sequence) -> list:
-    """[first[0], second[0], first[1], second[1], ...] by C calls alone."""
-    return list(chain.from_iterable(zip(first, second, strict=True)))
 
 
 class _StackRows(NamedTuple):
