@@ -72,7 +72,8 @@ def invert_into(factors: list[Tensor], targets: list[Tensor], damping: float, me
 
 # values of the stacked inverses a group of small layers keeps between inversions
 SMALL_STACK = 2**16
-_INVERSES = operator.itemgetter("G_inv", "A_inv")
+_INVERSE_KEYS = ("G_inv", "A_inv")
+_INVERSES = operator.itemgetter(*_INVERSE_KEYS)
 # layers whose factors can share a stack (the group holds one factor dtype, not one device)
 _STACKABLE = operator.attrgetter("dim_in", "dim_out", "weight.device")
 _FACTOR_UPDATES = operator.itemgetter("factor_updates")
@@ -97,13 +98,22 @@ def _stack_keys(layers: list[Layer], states: list[list[dict]]) -> list[tuple]:
     return list(zip(map(_SHAPE_DTYPE, layers), map(_DTYPE_DEVICE, inverses), strict=True))
 
 
-def _stacked_inverses(layers: list[Layer], states: list[dict], dtype) -> tuple:
+def _stacked_inverses(layers: list[Layer], states: list[dict], dtype, previous=None) -> tuple:
     """(G_inv (L, d_C, d_C), A_inv (L, d_K, d_K)) of layers of equal shapes stacked in
     ``dtype``, the (L, d_C, d_K) buffer their preconditioned gradients go into, and its
-    views split into the layers' parameters (:func:`~.grouped.split_matrices`)."""
-    G_inv, A_inv = (torch.stack([s[key] for s in states]).to(dtype) for key in ("G_inv", "A_inv"))
-    naturals = G_inv.new_empty((len(layers), G_inv.shape[1], A_inv.shape[2]))
-    return G_inv, A_inv, naturals, split_matrices(layers, naturals)
+    views split into the layers' parameters (:func:`~.grouped.split_matrices`); into
+    ``previous`` (these four of the same layers and inverses) when given."""
+    if previous is None:
+        G_inv, A_inv = (torch.stack([s[key] for s in states]).to(dtype) for key in _INVERSE_KEYS)
+        naturals = G_inv.new_empty((len(layers), G_inv.shape[1], A_inv.shape[2]))
+        return G_inv, A_inv, naturals, split_matrices(layers, naturals)
+    for stacked, key in zip(previous, _INVERSE_KEYS, strict=False):
+        rows = [s[key] for s in states]
+        if rows[0].dtype is stacked.dtype:
+            torch.stack(rows, out=stacked)
+        else:
+            stacked.copy_(torch.stack(rows))
+    return previous
 
 
 def _natural(state: dict, G: Tensor) -> Tensor:
@@ -271,7 +281,10 @@ class KfacRule(LayerRule):
             first_states = [s[0] for s in states]  # (a tuple of C calls: no generator)
             sources = tuple(chain.from_iterable(map(_INVERSES, first_states)))
             G_inv, A_inv, naturals, views = self._stacked.get(
-                layers, sources, lambda: _stacked_inverses(layers, first_states, dtype)
+                layers,
+                sources,
+                lambda previous: _stacked_inverses(layers, first_states, dtype, previous),
+                into=True,
             )
             G = stacked_gradients(layers, dtype, inv_scale=inv_scale)
             torch.bmm(torch.bmm(G_inv, G), A_inv, out=naturals)

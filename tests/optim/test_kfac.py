@@ -217,8 +217,8 @@ def test_factor_ema_on_stacks_equals_one_tensor_at_a_time(dtype, hyper, late_lay
 def test_stacked_directions_go_into_a_buffer_kept_between_inversions():
     """Layers of equal shapes are preconditioned by batched products into a buffer kept
     with their stacked inverses: each step it holds G_inv ∇W A_inv of that step's
-    gradients (the directions the write took are its views), the same buffer between
-    inversions, a new one after an inversion."""
+    gradients (the directions the write took are its views), with the inverses of the
+    last inversion; the same buffers across inversions, new ones after a load."""
     from singd_cuda.optim.grouped import stacked_gradients
 
     model = _Repeated(torch.float64)
@@ -231,8 +231,13 @@ def test_stacked_directions_go_into_a_buffer_kept_between_inversions():
         model(torch.randn(8, 6, generator=g, dtype=torch.float64)).square().mean().backward()
         opt.step()
         (G_inv, A_inv, naturals, views), *_ = opt._rule._stacked.values()
+        states = [opt.state[layer.weight] for layer in body]
+        assert torch.equal(G_inv, torch.stack([s["G_inv"] for s in states]))
+        assert torch.equal(A_inv, torch.stack([s["A_inv"] for s in states]))
         expected = torch.bmm(torch.bmm(G_inv, stacked_gradients(body, torch.float64)), A_inv)
         assert torch.equal(naturals, expected)
         assert all(view._base is naturals for view in views) and len(views) == 6
         pointers.append(naturals.data_ptr())
-    assert pointers[1] == pointers[2] != pointers[3] == pointers[4]
+        if len(pointers) == 3:
+            opt.load_state_dict(opt.state_dict())  # new tensors: new buffers
+    assert pointers[0] == pointers[1] == pointers[2] != pointers[3] == pointers[4]
