@@ -28,6 +28,7 @@ import warnings
 from abc import abstractmethod
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
+from itertools import chain
 from typing import Any, ClassVar
 
 import torch
@@ -70,6 +71,9 @@ from .scale_out import DEFAULT_BUCKET_CAP_MB, ScaleOut, Shards
 from .statistics import StatisticsNormaliser
 
 _LAYOUT = operator.attrgetter("layout")
+_GRAD = operator.attrgetter("grad")
+_PARAMS = operator.itemgetter("params")
+_PRESENT = functools.partial(operator.is_not, None)  # x is not None, a C call
 STEP_NOT_COMPILED = (
     "singd_cuda optimizers step eagerly: compile the model, not optimizer.step (docs/compile.md)"
 )
@@ -598,7 +602,7 @@ class KroneckerOptimizer(Optimizer):
         construction, which refuses the ones it sees), so that the statistics stay."""
         found = []
         for group in self.param_groups:
-            with_grad = [g for g in [p.grad for p in group["params"]] if g is not None]
+            with_grad = list(filter(_PRESENT, map(_GRAD, group["params"])))
             if not set(map(_LAYOUT, with_grad)) <= {torch.strided}:  # (C-level, no loop)
                 params = group["params"]
                 p = next(p for p in params if p.grad is not None and p.grad.layout != torch.strided)
@@ -682,7 +686,8 @@ class KroneckerOptimizer(Optimizer):
         if found_inf is not None:
             self._finite.flag(found_inf.device, SCALER).copy_(found_inf.reshape(1))
         else:
-            grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+            params = chain.from_iterable(map(_PARAMS, self.param_groups))
+            grads = list(filter(_PRESENT, map(_GRAD, params)))
             local = grads if self._sync is None else self._sync.local_tensors(grads)
             self._finite.check(local, GRADIENT)
         self._finite.check(statistics_tensors(self._pending), STATISTICS)
