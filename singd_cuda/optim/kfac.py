@@ -102,8 +102,8 @@ def _stacked_inverses(layers: list[Layer], states: list[dict], dtype, previous=N
     """(G_inv (L, d_C, d_C), A_inv (L, d_K, d_K)) of layers of equal shapes stacked in
     ``dtype``, the (L, d_C, d_K) buffer their preconditioned gradients go into, and its
     views split into the layers' parameters (:func:`~.grouped.split_matrices`); into
-    ``previous`` (these four of the same layers and inverses) when given."""
-    if previous is None:
+    ``previous`` (these four of the same layers and inverses) when given in ``dtype``."""
+    if previous is None or previous[0].dtype is not dtype:
         G_inv, A_inv = (torch.stack([s[key] for s in states]).to(dtype) for key in _INVERSE_KEYS)
         naturals = G_inv.new_empty((len(layers), G_inv.shape[1], A_inv.shape[2]))
         return G_inv, A_inv, naturals, split_matrices(layers, naturals)

@@ -241,3 +241,19 @@ def test_stacked_directions_go_into_a_buffer_kept_between_inversions():
         if len(pointers) == 3:
             opt.load_state_dict(opt.state_dict())  # new tensors: new buffers
     assert pointers[0] == pointers[1] == pointers[2] != pointers[3] == pointers[4]
+
+
+def test_weights_cast_between_steps_get_stacks_in_their_dtype():
+    """A model cast to float64 between steps (inversions at every step): the stacked
+    inverses and the preconditioning buffer are made again in the new dtype, not reused."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(m for _ in range(3) for m in (nn.Linear(6, 6), nn.Tanh())))
+    opt = KFAC(model, lr=0.01, T=1)
+    for dtype in (torch.float32, torch.float32, torch.float64, torch.float64):
+        model.to(dtype)
+        opt.zero_grad()
+        model(torch.randn(8, 6, dtype=dtype)).square().mean().backward()
+        opt.step()
+        (G_inv, _, naturals, _), *_ = opt._rule._stacked.values()
+        assert G_inv.dtype == naturals.dtype == dtype
+        assert all(torch.isfinite(p).all() for p in model.parameters())
