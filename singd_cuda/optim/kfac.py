@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import operator
+from functools import partial
 from itertools import chain
 from typing import Any
 
@@ -280,12 +281,12 @@ class KfacRule(LayerRule):
         if len(layers) > 1 and len(layers) * (first.dim_in**2 + first.dim_out**2) <= SMALL_STACK:
             first_states = [s[0] for s in states]  # (a tuple of C calls: no generator)
             sources = tuple(chain.from_iterable(map(_INVERSES, first_states)))
-            G_inv, A_inv, naturals, views = self._stacked.get(
-                layers,
-                sources,
-                lambda previous: _stacked_inverses(layers, first_states, dtype, previous),
-                into=True,
-            )
+            derive = partial(_stacked_inverses, layers, first_states, dtype)
+            kept = self._stacked.get(layers, sources, derive, into=True)
+            if kept[0].dtype is not dtype:  # the weights were cast since: stacks in their dtype
+                self._stacked.forget(*layers)
+                kept = self._stacked.get(layers, sources, derive, into=True)
+            G_inv, A_inv, naturals, views = kept
             G = stacked_gradients(layers, dtype, inv_scale=inv_scale)
             torch.bmm(torch.bmm(G_inv, G), A_inv, out=naturals)
             return views

@@ -243,13 +243,15 @@ def test_stacked_directions_go_into_a_buffer_kept_between_inversions():
     assert pointers[0] == pointers[1] == pointers[2] != pointers[3] == pointers[4]
 
 
-def test_weights_cast_between_steps_get_stacks_in_their_dtype():
-    """A model cast to float64 between steps (inversions at every step): the stacked
-    inverses and the preconditioning buffer are made again in the new dtype, not reused."""
+@pytest.mark.parametrize("T_inv", [None, 3])
+def test_weights_cast_between_steps_get_stacks_in_their_dtype(T_inv):
+    """A model cast to float64 between steps (at an inversion, or between inversions):
+    the stacked inverses and the preconditioning buffer are made again in the new dtype,
+    not reused."""
     torch.manual_seed(0)
     model = nn.Sequential(*(m for _ in range(3) for m in (nn.Linear(6, 6), nn.Tanh())))
-    opt = KFAC(model, lr=0.01, T=1)
-    for dtype in (torch.float32, torch.float32, torch.float64, torch.float64):
+    opt = KFAC(model, lr=0.01, T=1, T_inv=T_inv)
+    for dtype in (torch.float32, torch.float64, torch.float64, torch.float64):
         model.to(dtype)
         opt.zero_grad()
         model(torch.randn(8, 6, dtype=dtype)).square().mean().backward()
