@@ -67,6 +67,7 @@ class DiagonalViews:
         if (
             entry is None
             or entry.param is not param
+            or entry.matrix.data_ptr() != param.data_ptr()  # (``param.data`` replaced)
             or entry.buf_source is not buf
             or entry.row_source is not row
             or entry.col_source is not col
@@ -207,6 +208,7 @@ class KeptBatch:
         self._strides: list[tuple[int, ...]] = []  # the queued gradients' strides
         self._lists: tuple[list[Tensor], ...] | None = None  # (params, bufs, rows, cols)
         self._grad_views: list[tuple | None] = []  # None: the gradient as it is (_takes_as_is)
+        self._pointers: list[int] = []  # the parameters' data pointers
 
     def batch(
         self,
@@ -229,6 +231,9 @@ class KeptBatch:
             and present == self._present
             and len(sources) == len(self._sources)
             and all(map(operator.is_, sources, self._sources))
+            # the same objects may hold new data (``param.data = ...``, ``model.to(...)``):
+            # the kept views would write into the old
+            and list(map(Tensor.data_ptr, params)) == self._pointers
         ):
             queued = [grad for grad in grads if grad is not None]
             if list(map(Tensor.stride, queued)) == self._strides:
@@ -251,6 +256,7 @@ class KeptBatch:
             bufs = [] if buf_key is None else [s.get(buf_key) for ss in states for s in ss]
             self._sources = [*params, *bufs, *rows, *cols]  # (the buffers add created)
             self._present, self._strides = present, list(map(Tensor.stride, queued))
+            self._pointers = list(map(Tensor.data_ptr, params))
             self._lists = (batch.params, batch.bufs, batch.rows, batch.cols)
             self._grad_views = [
                 None if _takes_as_is(grad, view) else view
