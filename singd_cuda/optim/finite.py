@@ -21,13 +21,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..structures.base import PLAIN, StructuredMatrix
+from ..structures.base import PLAIN, StructuredMatrix, parts_of
 from . import warm_start
 from .grouped import partition, stack_of_rows
 
 # what tensors that one fused check takes share
 _GROUP = operator.attrgetter("device", "dtype", "is_sparse")
-_PARTS = operator.attrgetter("parts")
 
 
 class FiniteCheck:
@@ -160,8 +159,7 @@ def statistics_tensors(pending: dict[Any, dict]) -> list[Tensor]:
     if kinds <= PLAIN:
         return list(filter(Tensor.is_floating_point, found))
     if kinds.isdisjoint(PLAIN) and all(issubclass(kind, StructuredMatrix) for kind in kinds):
-        parts = itertools.chain.from_iterable(map(dict.values, map(_PARTS, found)))
-        return list(filter(Tensor.is_floating_point, parts))
+        return list(filter(Tensor.is_floating_point, parts_of(found)))
     if all(issubclass(kind, StructuredMatrix) for kind in kinds - PLAIN):  # one call a type
         parts = [t.parts.values() if type(t) is not Tensor else (t,) for t in found]
         return list(filter(Tensor.is_floating_point, itertools.chain.from_iterable(parts)))
@@ -340,8 +338,10 @@ class _Layout:
     def __init__(self, states: list[dict], skip: tuple[str, ...], flags: tuple[str, ...]):
         self.states = list(states)
         self.containers: list[dict] = []
-        self.slots: list[tuple[dict, Any]] = []  # (container, key) of dicts and tensors
-        self.objects: list[Any] = []  # what the slots held
+        # the (container, key) slots of dicts and tensors, as two lists, and what they held
+        self.slot_containers: list[dict] = []
+        self.slot_keys: list[Any] = []
+        self.objects: list[Any] = []
         self.vectors: list[Tensor] = []
         self.buffers: list[Tensor] = []  # one per saved vector (FactorUndo.save)
         self.matrices: list[Tensor] = []
@@ -359,8 +359,6 @@ class _Layout:
                 position = start + paths.index((index, (key,))) if found else None
                 self.flags.append((state, key, position))
         self.lengths = [len(container) for container in self.containers]
-        self.slot_containers = [container for container, _ in self.slots]
-        self.slot_keys = [key for _, key in self.slots]
         self.saved_vectors: list[Tensor] = []
         self.saved_firsts: list[Tensor] = []  # the first entry each saved vector covers
         self.stacked: list[bool] = []  # per saved vector: whether it is a stack of entries
@@ -408,7 +406,8 @@ class _Layout:
             if key in skip:
                 continue
             if isinstance(value, dict | Tensor):
-                self.slots.append((container, key))
+                self.slot_containers.append(container)
+                self.slot_keys.append(key)
                 self.objects.append(value)
             if isinstance(value, dict):
                 self._walk(index, value, (*path, key), skip)

@@ -103,12 +103,12 @@ def _stacked_inverses(layers: list[Layer], states: list[dict], dtype, previous=N
     """(G_inv (L, d_C, d_C), A_inv (L, d_K, d_K)) of layers of equal shapes stacked in
     ``dtype``, the (L, d_C, d_K) buffer their preconditioned gradients go into, and its
     views split into the layers' parameters (:func:`~.grouped.split_matrices`); into
-    ``previous`` (these four of the same layers and inverses) when given in ``dtype``."""
-    if previous is None or previous[0].dtype is not dtype:
+    ``previous`` (these four of the same layers and inverses) when given."""
+    if previous is None:
         G_inv, A_inv = (torch.stack([s[key] for s in states]).to(dtype) for key in _INVERSE_KEYS)
         naturals = G_inv.new_empty((len(layers), G_inv.shape[1], A_inv.shape[2]))
         return G_inv, A_inv, naturals, split_matrices(layers, naturals)
-    for stacked, key in zip(previous, _INVERSE_KEYS, strict=False):
+    for stacked, key in zip(previous[:2], _INVERSE_KEYS, strict=True):
         rows = [s[key] for s in states]
         if rows[0].dtype is stacked.dtype:
             torch.stack(rows, out=stacked)
@@ -283,9 +283,9 @@ class KfacRule(LayerRule):
             sources = tuple(chain.from_iterable(map(_INVERSES, first_states)))
             derive = partial(_stacked_inverses, layers, first_states, dtype)
             kept = self._stacked.get(layers, sources, derive, into=True)
-            if kept[0].dtype is not dtype:  # the weights were cast since: stacks in their dtype
+            if kept[0].dtype is not dtype:  # the weights were cast since: new stacks
                 self._stacked.forget(*layers)
-                kept = self._stacked.get(layers, sources, derive, into=True)
+                kept = self._stacked.get(layers, sources, derive)  # (not into the old)
             G_inv, A_inv, naturals, views = kept
             G = stacked_gradients(layers, dtype, inv_scale=inv_scale)
             torch.bmm(torch.bmm(G_inv, G), A_inv, out=naturals)

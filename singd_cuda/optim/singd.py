@@ -226,7 +226,7 @@ class SingdRule(LayerRule):
         a few calls for all (:func:`_fill_stacked_squares`); others as one batch."""
         stacks = self._resident.kept(layers, states) if len(layers) > 1 else None
         if stacks is not None:
-            return self._stacked_diagonal_squares(layers, states, stacks)
+            return self._stacked_squares_of(layers, states, stacks).rows
         parts = [list(range(len(layers)))]
         if len(layers) > 1:  # a group's layers of several shapes: stacks per key
             parts = self._parts(layers, group, states)
@@ -235,7 +235,7 @@ class SingdRule(LayerRule):
             members, member_states = [layers[i] for i in part], [states[i] for i in part]
             stacks = self._resident.kept(members, member_states) if len(part) > 1 else None
             if stacks is not None:
-                found = self._stacked_diagonal_squares(members, member_states, stacks)
+                found = self._stacked_squares_of(members, member_states, stacks).rows
             else:
                 sources = [(state["C"]["diag"], state["K"]["diag"]) for state in member_states]
                 found, positions = self._squares.get_many(
@@ -245,10 +245,6 @@ class SingdRule(LayerRule):
             for i, value in zip(part, found, strict=True):
                 squares[i] = value
         return squares
-
-    def _stacked_diagonal_squares(self, layers, states, stacks: dict) -> list[DiagonalSquares]:
-        """:meth:`_diagonal_squares` of layers whose factors are the rows of ``stacks``."""
-        return self._stacked_squares_of(layers, states, stacks).rows
 
     def _stacked_squares_of(self, layers, states, stacks: dict) -> _StackedSquares:
         """The :class:`_StackedSquares` of layers whose factors are the rows of
@@ -295,15 +291,10 @@ class SingdRule(LayerRule):
         if squares is not None:
             self._means(interleaved(h_C, h_K), lists.sum_outs)
             squares.means.mul_(squares.inv_dims)  # tr̄(H) of the other side
-        ops.diag_factor_update_(
-            lists.factors,
-            lists.momenta,
-            interleaved(h_K, h_C),
-            lists.sum_outs,  # the means, scaled in place
-            lists.traces,  # tr̄(Π̂(otherᵀ other))
-            alpha1=0.0 if kfac_like else group["alpha1"],
-            beta1=scheduled(group["lr_cov"], step),
-            damping=scheduled(group["damping"], step),
+        h = interleaved(h_K, h_C)
+        # a, b: the means (scaled in place above) and tr̄(Π̂(otherᵀ other)) of each side
+        _diag_factor_update(
+            lists.factors, lists.momenta, h, lists.sum_outs, lists.traces, group, step
         )
         return True
 
@@ -355,16 +346,7 @@ class SingdRule(LayerRule):
         if means:
             self._means(sums, sum_outs)
             torch._foreach_mul_(means, inv_dims)
-        ops.diag_factor_update_(
-            factors,
-            momenta,
-            h,
-            a,
-            b,
-            alpha1=0.0 if group["kfac_like"] else group["alpha1"],
-            beta1=scheduled(group["lr_cov"], step),
-            damping=scheduled(group["damping"], step),
-        )
+        _diag_factor_update(factors, momenta, h, a, b, group, step)
 
     def accumulate_shared(self, layer, group, pending, a: Tensor, g: Tensor) -> None:
         """K-free statistics Π̂(aᵀa), Π̂(gᵀg) (dense Gram for structures that need it);
@@ -725,6 +707,21 @@ class _StackedSquares(NamedTuple):
     rounded: tuple[Tensor, Tensor] | None
     sums: Tensor  # (2, L, 1): the row sums, before they go into traces
     rows: list[DiagonalSquares]
+
+
+def _diag_factor_update(factors, momenta, h, a, b, group: dict, step: int) -> None:
+    """:func:`~singd_cuda.ops.diag_factor_update_` of the lists with the group's α₁ (0
+    for ``kfac_like``), ``lr_cov`` and damping at ``step``."""
+    ops.diag_factor_update_(
+        factors,
+        momenta,
+        h,
+        a,
+        b,
+        alpha1=0.0 if group["kfac_like"] else group["alpha1"],
+        beta1=scheduled(group["lr_cov"], step),
+        damping=scheduled(group["damping"], step),
+    )
 
 
 class _StackRows(NamedTuple):

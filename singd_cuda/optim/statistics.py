@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Mapping
-from itertools import chain
 
 import torch
 from torch import Tensor
 
 from ..curvature.layers import Layer
-from ..structures.base import ACCUMULATES_IN, HALF_DTYPES, PLAIN, StructuredMatrix
+from ..structures.base import ACCUMULATES_IN, HALF_DTYPES, PLAIN, StructuredMatrix, parts_of
 
 _DEVICE_DTYPE = operator.attrgetter("device", "dtype")
 _DTYPE = operator.attrgetter("dtype")
-_PARTS = operator.attrgetter("parts")
 
 
 class StatisticsNormaliser:
@@ -66,7 +64,7 @@ class StatisticsNormaliser:
         # one device and accumulation dtype: one call, no grouping
         tensors = statistics if kinds == PLAIN else None
         if len(kinds) == 1 and issubclass(next(iter(kinds)), StructuredMatrix):
-            tensors = list(chain.from_iterable(map(dict.values, map(_PARTS, statistics))))
+            tensors = list(parts_of(statistics))
         if tensors is not None:
             keys = list(map(_DEVICE_DTYPE, tensors))
             if keys.count(keys[0]) == len(keys) and keys[0][1] not in HALF_DTYPES:

@@ -18,8 +18,10 @@ is fixed at zero, and averages tied entries (Toeplitz). It preserves the trace.
 
 from __future__ import annotations
 
+import operator
 from abc import ABC, abstractmethod
-from itertools import repeat
+from collections.abc import Iterable, Iterator
+from itertools import chain, repeat
 from typing import ClassVar
 
 import torch
@@ -31,6 +33,7 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 ACCUMULATES_IN = dict.fromkeys(HALF_DTYPES, torch.float32)
 # the types of a list of statistics that are all plain tensors (no structured matrix)
 PLAIN = frozenset({Tensor})
+_PARTS = operator.attrgetter("parts")
 SMALL_DENSE_DIM = 128  # up to this dimension a dense d x d temporary is cheap
 
 
@@ -47,6 +50,12 @@ def store_(part: Tensor, value: Tensor) -> None:
     (an in-place update of a part already in its accumulation dtype)."""
     if value is not part:
         part.copy_(value)
+
+
+def parts_of(matrices: Iterable[StructuredMatrix]) -> Iterator[Tensor]:
+    """The storage tensors of every matrix, matrix by matrix, by C calls alone (no Python
+    call a matrix)."""
+    return chain.from_iterable(map(dict.values, map(_PARTS, matrices)))
 
 
 def upcast(tensor: Tensor, dtype: torch.dtype | None = None) -> Tensor:
