@@ -128,7 +128,7 @@ class BlockDiagonal(StructuredMatrix):
                 P = P.to(out_dtype).to(acc)
             trailing = P @ P.T
         else:
-            trailing = grams.new_empty((0, 0))
+            trailing = _no_block(grams)
         if acc is not out_dtype:
             grams, trailing = grams.to(out_dtype), trailing.to(out_dtype)
         return type(self).from_parts(self.dim, {"blocks": grams, "last": trailing})
@@ -178,3 +178,22 @@ class BlockDiagonal(StructuredMatrix):
             diag = part.diagonal(dim1=-2, dim2=-1)
             store_(diag, upcast(diag).add_(alpha))
         return self
+
+
+# (dtype, device) -> the one (0, 0) tensor the Gram matrices of factors without a trailing
+# block share as their part "last": one allocation less on every layer call
+_EMPTY_LAST: dict[tuple, Tensor] = {}
+
+
+def _no_block(like: Tensor) -> Tensor:
+    """A (0, 0) tensor of ``like``'s dtype and device, made once for plain tensors
+    (outside inference mode, so that in-place ops on it stay legal); a new one for a
+    tensor subclass (a fake tensor of a trace must not be kept)."""
+    if type(like) is not Tensor:
+        return like.new_empty((0, 0))
+    key = (like.dtype, like.device)
+    empty = _EMPTY_LAST.get(key)
+    if empty is None:
+        with torch.inference_mode(False):
+            empty = _EMPTY_LAST[key] = torch.empty((0, 0), dtype=like.dtype, device=like.device)
+    return empty
