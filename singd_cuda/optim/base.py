@@ -621,7 +621,9 @@ class KroneckerOptimizer(Optimizer):
         grad_scale, stats_scale, found_inf = self._loss_scale()
         # gather: the statistics as one batch's, averaged over the ranks before any decision
         groups = self.param_groups
-        loss_averages = {layer: groups[i]["loss_average"] for layer, i in self._layer_group.items()}
+        averages = [group["loss_average"] for group in groups]
+        by_layer = map(averages.__getitem__, self._layer_group.values())
+        loss_averages = dict(zip(self._layer_group, by_layer, strict=True))
         self._pending = self._normalise(self._capture.committed, loss_averages, stats_scale)
         if self._sync is not None:
             grad_scale, found_inf = self._synchronise(grad_scale, found_inf)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Mapping
+from itertools import repeat
 
 import torch
 from torch import Tensor
@@ -20,6 +21,9 @@ from ..structures.base import ACCUMULATES_IN, HALF_DTYPES, PLAIN, StructuredMatr
 
 _DEVICE_DTYPE = operator.attrgetter("device", "dtype")
 _DTYPE = operator.attrgetter("dtype")
+_TERMS = operator.attrgetter("terms")
+_STATISTICS = operator.attrgetter("statistics")
+_IN, _OUT = operator.itemgetter("in"), operator.itemgetter("out")
 
 
 class StatisticsNormaliser:
@@ -35,6 +39,9 @@ class StatisticsNormaliser:
         normalised in place. ``committed``: the capture's {layer: Committed};
         ``loss_averages``: each layer's group's ``loss_average``; ``loss_scale``: the
         factor on the captured output gradients (a tensor, or None)."""
+        pending = self._uniform(committed, loss_averages, loss_scale)
+        if pending is not None:
+            return pending
         pending = {}
         # (factor, scaled by the loss scale) -> statistics: one multiply per group below
         scaled: dict[tuple[float, bool], list] = {}
@@ -52,6 +59,28 @@ class StatisticsNormaliser:
             if factor != 1.0 or by_loss_scale:
                 self._scale_(group, factor, loss_scale if by_loss_scale else None)
         return pending
+
+    def _uniform(
+        self, committed: dict, loss_averages: Mapping[Layer, str | None], loss_scale
+    ) -> dict[Layer, dict] | None:
+        """:meth:`__call__` by C calls, no loop over the layers, in the common case: every
+        layer committed the same w > 0, has both sides and has one ``loss_average``; None
+        (nothing done) otherwise."""
+        entries = list(committed.values())
+        terms = list(map(_TERMS, entries))
+        if not terms or terms[0] <= 0 or terms.count(terms[0]) != len(terms):
+            return None
+        statistics = list(map(_STATISTICS, entries))
+        averages = set(map(loss_averages.__getitem__, committed))
+        if len(averages) != 1 or not all(map(operator.contains, statistics, repeat("in"))):
+            return None
+        terms = terms[0]
+        if terms != 1.0:
+            self._scale_(list(map(_IN, statistics)), 1.0 / terms, None)
+        out_factor = 1.0 if None in averages else terms
+        if out_factor != 1.0 or loss_scale is not None:
+            self._scale_(list(map(_OUT, statistics)), out_factor, loss_scale)
+        return dict(zip(committed, statistics, strict=True))
 
     def _scale_(self, statistics: list, factor: float, loss_scale: Tensor | None) -> None:
         """statistic *= factor / loss_scale² for each of ``statistics`` (tensors or
