@@ -145,9 +145,10 @@ inline void commit_all(std::vector<InPlace>& list) {
 }
 
 // The stride of dim 0 when every slice t[r] is contiguous (a row-major matrix with a row
-// stride, e.g. M[:, :-1]), else -1. Contiguous tensors give their own dim-0 stride.
+// stride, e.g. M[:, :-1]; a strided vector, e.g. M[:, -1], whose slices are elements),
+// else -1. Contiguous tensors give their own dim-0 stride.
 inline int64_t contiguous_rows_stride(const at::Tensor& t) {
-  if (t.dim() < 2 || t.size(0) == 0) return t.is_contiguous() ? 1 : -1;
+  if (t.dim() == 0 || t.size(0) == 0) return t.is_contiguous() ? 1 : -1;
   int64_t expected = 1;
   for (int64_t d = t.dim() - 1; d >= 1; --d) {
     if (t.size(d) != 1 && t.stride(d) != expected) return -1;

@@ -49,6 +49,20 @@ double value_or_one(const std::optional<at::Tensor>& t) {
   return t.has_value() ? t->item<double>() : 1.0;
 }
 
+// item<double>() of a one-element floating CPU tensor, read through its data pointer for
+// float32 and float64 (the same conversion, without a dispatcher call: two per factor and
+// call of diag_factor_update_).
+double cpu_value(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return static_cast<double>(*t.const_data_ptr<float>());
+    case at::kDouble:
+      return *t.const_data_ptr<double>();
+    default:
+      return t.item<double>();
+  }
+}
+
 bool skip_step(const std::optional<at::Tensor>& found_inf) {
   return found_inf.has_value() && found_inf->item<double>() != 0.0;
 }
@@ -125,7 +139,8 @@ void run_epilogue(const char* op, const EpilogueCall& c) {
   auto params = in_place(c.params);
   auto state = in_place(momentum ? c.state : at::TensorList());
   // An update whose rows (along dim 0) are each contiguous is read where it lies: the
-  // preconditioned weight of a layer with a bias is such a view of the (d_C, d_K) matrix.
+  // preconditioned weight of a layer with a bias is such a view of the (d_C, d_K) matrix,
+  // and its bias (the last column, a strided vector) one of one-element rows.
   std::vector<at::Tensor> grads;
   std::vector<int64_t> rows, row_len, row_stride;
   for (size_t i = 0; i < c.params.size(); ++i) {
@@ -288,8 +303,8 @@ void diag_factor_update_cpu(at::TensorList k_in, at::TensorList m_in, at::Tensor
   std::vector<double> a_val(k_in.size(), 1.0), b_val(k_in.size(), 1.0);
   std::vector<int64_t> rows, ones;
   for (size_t i = 0; i < k_in.size(); ++i) {
-    if (!a.empty()) a_val[i] = a[i].item<double>();
-    if (!b.empty()) b_val[i] = b[i].item<double>();
+    if (!a.empty()) a_val[i] = cpu_value(a[i]);
+    if (!b.empty()) b_val[i] = cpu_value(b[i]);
     rows.push_back(k_in[i].numel());
     ones.push_back(1);
   }

@@ -102,6 +102,18 @@ def test_a_conv_shaped_view_of_a_matrix_is_read_where_it_lies(device, gen, sr):
     _assert_sgd_matches_reference(params, [update], bufs, hyper, _scalars(0.5, device), sr, 7)
 
 
+@pytest.mark.parametrize("sr", [False, True])
+def test_a_bias_column_of_a_matrix_is_read_where_it_lies(device, gen, sr):
+    """The preconditioned bias of a layer: M[:, -1] of M (d_C, d_K), a vector of stride
+    d_K (rows of one element), next to its weight M[:, :-1]."""
+    M = make((33, 17), torch.float32, device, gen)
+    params = [make((33, 16), torch.bfloat16, device, gen), make((33,), torch.float32, device, gen)]
+    bufs = [make((33, 16), torch.float32, device, gen), make((33,), torch.float32, device, gen)]
+    hyper = dict(lr=0.1, momentum=0.9, weight_decay=0.01, decoupled=False)
+    updates = [M[:, :-1], M[:, -1]]
+    _assert_sgd_matches_reference(params, updates, bufs, hyper, _scalars(0.5, device), sr, 7)
+
+
 def test_sgd_without_momentum_leaves_buffers_and_accepts_none(device, gen):
     params = [make((5, 3), torch.float32, device, gen)]
     updates = [make((5, 3), torch.float32, device, gen)]
