@@ -692,7 +692,9 @@ class KroneckerOptimizer(Optimizer):
             grads = list(filter(_PRESENT, map(_GRAD, params)))
             local = grads if self._sync is None else self._sync.local_tensors(grads)
             self._finite.check(local, GRADIENT)
-        self._finite.check(statistics_tensors(self._pending), STATISTICS)
+        # the normaliser's stacks hold every statistic (unless a synchronisation replaced them)
+        stacks = self._normalise.stacks if self._sync is None else None
+        self._finite.check(stacks or statistics_tensors(self._pending), STATISTICS)
 
     def _decided_on_device(self) -> Tensor | None:
         """With ``nonfinite='device'``: the step's skip flag as a one-element tensor on the

@@ -78,6 +78,52 @@ def update_in_stacks(
 
 
 _SHAPE_DTYPE = operator.attrgetter("shape", "dtype")
+_SHAPE_DTYPE_DEVICE = operator.attrgetter("shape", "dtype", "device")
+_DTYPE = operator.attrgetter("dtype")
+
+
+class GatheredRows:
+    """Tensors copied into the rows of stacks, one stack per (shape, dtype, device) of
+    the tensors, by one ``torch.stack(..., out=)`` each (values bitwise the tensors').
+    The stacks and their rows are kept per name for the next call with tensors of the
+    same dtypes, devices and sizes (checked by C calls; a set's shapes by its first
+    tensor, ``torch.stack`` refusing unequal others), so that a warm call allocates
+    nothing."""
+
+    def __init__(self) -> None:
+        # name -> (the tensors' (dtype, device index, numel) lists, sets: (positions,
+        # stack, rows))
+        self._kept: dict[str, tuple[tuple[list, ...], list[tuple]]] = {}
+
+    def __call__(
+        self, name: str, tensors: Sequence[Tensor]
+    ) -> list[tuple[list[int], Tensor, list[Tensor]]]:
+        """Per set of ``tensors`` of one (shape, dtype, device): (their positions, the
+        (n, *shape) stack now holding them, its n rows)."""
+        layout = (
+            list(map(_DTYPE, tensors)),
+            list(map(Tensor.get_device, tensors)),
+            list(map(Tensor.numel, tensors)),
+        )
+        kept = self._kept.get(name)
+        if (
+            kept is None
+            or kept[0] != layout
+            or any(
+                stack.shape[1:] != tensors[positions[0]].shape for positions, stack, _ in kept[1]
+            )
+        ):
+            sets = []
+            for positions in positions_by(list(map(_SHAPE_DTYPE_DEVICE, tensors))):
+                first = tensors[positions[0]]
+                stack = first.new_empty((len(positions), *first.shape))
+                sets.append((positions, stack, list(stack.unbind())))
+            kept = self._kept[name] = (layout, sets)
+        for positions, stack, rows in kept[1]:
+            members = tensors if len(positions) == len(tensors) else [tensors[i] for i in positions]
+            if not all(map(is_, members, rows)):  # (already the rows: nothing to copy)
+                torch.stack(members, out=stack)
+        return kept[1]
 
 
 class StackedSums:

@@ -18,12 +18,14 @@ from torch import Tensor
 
 from ..curvature.layers import Layer
 from ..structures.base import ACCUMULATES_IN, HALF_DTYPES, PLAIN, StructuredMatrix, parts_of
+from .grouped import GatheredRows
 
 _DEVICE_DTYPE = operator.attrgetter("device", "dtype")
 _DTYPE = operator.attrgetter("dtype")
 _TERMS = operator.attrgetter("terms")
 _STATISTICS = operator.attrgetter("statistics")
 _IN, _OUT = operator.itemgetter("in"), operator.itemgetter("out")
+_PARTS = operator.attrgetter("parts")
 
 
 class StatisticsNormaliser:
@@ -31,6 +33,9 @@ class StatisticsNormaliser:
 
     def __init__(self) -> None:
         self._scalars: dict[tuple, Tensor] = {}
+        self._rows = GatheredRows()
+        # after a call: stacks whose rows are every statistic it returned (None: not all)
+        self.stacks: list[Tensor] | None = None
 
     def __call__(
         self, committed: dict, loss_averages: Mapping[Layer, str | None], loss_scale
@@ -39,6 +44,7 @@ class StatisticsNormaliser:
         normalised in place. ``committed``: the capture's {layer: Committed};
         ``loss_averages``: each layer's group's ``loss_average``; ``loss_scale``: the
         factor on the captured output gradients (a tensor, or None)."""
+        self.stacks = None
         pending = self._uniform(committed, loss_averages, loss_scale)
         if pending is not None:
             return pending
@@ -65,7 +71,8 @@ class StatisticsNormaliser:
     ) -> dict[Layer, dict] | None:
         """:meth:`__call__` by C calls, no loop over the layers, in the common case: every
         layer committed the same w > 0, has both sides and has one ``loss_average``; None
-        (nothing done) otherwise."""
+        (nothing done) otherwise. Each side's statistics are first gathered into stacks
+        (:meth:`_gathered`), so that a multiply per stack scales them."""
         entries = list(committed.values())
         terms = list(map(_TERMS, entries))
         if not terms or terms[0] <= 0 or terms.count(terms[0]) != len(terms):
@@ -74,13 +81,42 @@ class StatisticsNormaliser:
         averages = set(map(loss_averages.__getitem__, committed))
         if len(averages) != 1 or not all(map(operator.contains, statistics, repeat("in"))):
             return None
+        in_stacks, out_stacks = self._gathered("in", statistics), self._gathered("out", statistics)
         terms = terms[0]
         if terms != 1.0:
-            self._scale_(list(map(_IN, statistics)), 1.0 / terms, None)
+            self._scale_(in_stacks or list(map(_IN, statistics)), 1.0 / terms, None)
         out_factor = 1.0 if None in averages else terms
         if out_factor != 1.0 or loss_scale is not None:
-            self._scale_(list(map(_OUT, statistics)), out_factor, loss_scale)
+            self._scale_(out_stacks or list(map(_OUT, statistics)), out_factor, loss_scale)
+        if in_stacks and out_stacks and set(map(len, statistics)) == {2}:
+            self.stacks = in_stacks + out_stacks
         return dict(zip(committed, statistics, strict=True))
+
+    def _gathered(self, side: str, statistics: list[dict]) -> list[Tensor]:
+        """The stacks (:class:`~.grouped.GatheredRows`) now holding the ``side`` of every
+        layer's ``statistics``, each layer's tensor replaced by its row (a view, equal
+        values): for plain tensors, and for structured matrices of one structure whose one
+        part is a vector (the diagonal: its consumers are elementwise and sums, which a
+        row computes as a vector; a matrix part would meet GEMMs, which may round
+        differently at a row's offset). Empty (nothing changed) for other statistics."""
+        values = list(map(operator.itemgetter(side), statistics))
+        kinds = set(map(type, values))
+        if kinds == PLAIN:
+            tensors, holders, key = values, statistics, side
+        elif len(kinds) == 1 and _one_part(next(iter(kinds))):
+            key = next(iter(kinds)).part_names[0]
+            holders = list(map(_PARTS, values))
+            tensors = list(map(operator.itemgetter(key), holders))
+            if set(map(Tensor.dim, tensors)) != {1}:
+                return []
+        else:
+            return []
+        stacks = []
+        for positions, stack, rows in self._rows(f"{side}.{key}", tensors):
+            members = holders if len(positions) == len(holders) else [holders[i] for i in positions]
+            list(map(operator.setitem, members, repeat(key), rows))
+            stacks.append(stack)
+        return stacks
 
     def _scale_(self, statistics: list, factor: float, loss_scale: Tensor | None) -> None:
         """statistic *= factor / loss_scale² for each of ``statistics`` (tensors or
@@ -122,3 +158,8 @@ class StatisticsNormaliser:
         if loss_scale is None:
             return scalar.fill_(factor)
         return scalar.copy_(loss_scale.reshape(())).reciprocal_().square_().mul_(factor)
+
+
+def _one_part(kind: type) -> bool:
+    """Whether ``kind`` is a structure of one part (the diagonal)."""
+    return issubclass(kind, StructuredMatrix) and len(kind.part_names) == 1
