@@ -37,6 +37,7 @@ from .grouped import (
     split_matrices,
     stack_parts,
     stacked_gradients,
+    vector_stack,
 )
 from .rule import LayerRule, scheduled
 from .scale_out import DEFAULT_BUCKET_CAP_MB
@@ -289,7 +290,7 @@ class SingdRule(LayerRule):
         squares = None if kfac_like else self._stacked_squares_of(layers, states, stacks)
         lists = self._rows_of_stacks(stacks, squares)
         if squares is not None:
-            self._means(interleaved(h_C, h_K), lists.sum_outs)
+            self._sum_means(h_C, h_K, lists)
             squares.means.mul_(squares.inv_dims)  # tr̄(H) of the other side
         h = interleaved(h_K, h_C)
         # a, b: the means (scaled in place above) and tr̄(Π̂(otherᵀ other)) of each side
@@ -298,6 +299,19 @@ class SingdRule(LayerRule):
         )
         return True
 
+    def _sum_means(self, h_C: list[Tensor], h_K: list[Tensor], lists: _StackRows) -> None:
+        """The sums of each layer's statistics into its squares' means: per side one row
+        sum of the stack the statistics are the rows of (the step's gathered statistics,
+        in the layers' order; on the CPU, where a row of a stack sums as a vector does),
+        else by :class:`~.grouped.StackedSums`."""
+        if h_C[0].device.type == "cpu":
+            stacks = (vector_stack(h_C), vector_stack(h_K))
+            if stacks[0] is not None and stacks[1] is not None:
+                for stack, column in zip(stacks, lists.mean_columns, strict=True):
+                    torch.sum(stack, 1, keepdim=True, dtype=column.dtype, out=column)
+                return
+        self._means(interleaved(h_C, h_K), lists.sum_outs)
+
     def _rows_of_stacks(self, stacks: dict, squares: _StackedSquares | None) -> _StackRows:
         """The per-layer lists of rows :func:`diag_factor_update_` takes, of the factor
         stacks and their squares, kept while both are the same objects."""
@@ -305,15 +319,17 @@ class SingdRule(LayerRule):
         if kept is not None and kept[0] is stacks and kept[1] is squares:
             return kept[2]
         rows = {key: stacks[key]["diag"].unbind() for key in ("K", "C", "m_K", "m_C")}
-        sum_outs, traces = [], []
+        sum_outs, traces, mean_columns = [], [], ()
         if squares is not None:
             sum_outs = [part for row in squares.rows for part in row.mean_parts]
             traces = [part for row in squares.rows for part in row.trace_parts]
+            mean_columns = (squares.means[:, 0:1], squares.means[:, 1:2])
         lists = _StackRows(
             interleaved(rows["K"], rows["C"]),
             interleaved(rows["m_K"], rows["m_C"]),
             sum_outs,
             traces,
+            mean_columns,
         )
         # entries of stacks no longer kept go (they would hold the stacks' memory)
         self._stack_rows = {
@@ -735,6 +751,7 @@ class _StackRows(NamedTuple):
     momenta: list[Tensor]
     sum_outs: list[Tensor]
     traces: list[Tensor]
+    mean_columns: tuple[Tensor, ...]  # the means' columns (L, 1): tr(H_C), tr(H_K)
 
 
 def _stacked_square_buffers(C: Tensor, K: Tensor) -> _StackedSquares:

@@ -41,17 +41,23 @@ class StatisticsNormaliser:
         self, committed: dict, loss_averages: Mapping[Layer, str | None], loss_scale
     ) -> dict[Layer, dict]:
         """{layer: statistics} of the layers whose committed calls held a sample (w > 0),
-        normalised in place. ``committed``: the capture's {layer: Committed};
-        ``loss_averages``: each layer's group's ``loss_average``; ``loss_scale``: the
-        factor on the captured output gradients (a tensor, or None)."""
+        normalised in place, in the order of ``loss_averages`` (the optimizer's layers:
+        that of the factor stacks, not the backward pass's). ``committed``: the
+        capture's {layer: Committed}; ``loss_averages``: each layer's group's
+        ``loss_average``; ``loss_scale``: the factor on the captured output gradients (a
+        tensor, or None)."""
         self.stacks = None
-        pending = self._uniform(committed, loss_averages, loss_scale)
+        order = list(filter(committed.__contains__, loss_averages))
+        if len(order) != len(committed):  # (layers it does not know: as committed)
+            order = list(committed)
+        pending = self._uniform(committed, order, loss_averages, loss_scale)
         if pending is not None:
             return pending
         pending = {}
         # (factor, scaled by the loss scale) -> statistics: one multiply per group below
         scaled: dict[tuple[float, bool], list] = {}
-        for layer, entry in committed.items():
+        for layer in order:
+            entry = committed[layer]
             statistics = entry.statistics
             if entry.terms <= 0 or not statistics:
                 continue
@@ -67,18 +73,22 @@ class StatisticsNormaliser:
         return pending
 
     def _uniform(
-        self, committed: dict, loss_averages: Mapping[Layer, str | None], loss_scale
+        self,
+        committed: dict,
+        order: list[Layer],
+        loss_averages: Mapping[Layer, str | None],
+        loss_scale,
     ) -> dict[Layer, dict] | None:
         """:meth:`__call__` by C calls, no loop over the layers, in the common case: every
         layer committed the same w > 0, has both sides and has one ``loss_average``; None
         (nothing done) otherwise. Each side's statistics are first gathered into stacks
         (:meth:`_gathered`), so that a multiply per stack scales them."""
-        entries = list(committed.values())
+        entries = list(map(committed.__getitem__, order))
         terms = list(map(_TERMS, entries))
         if not terms or terms[0] <= 0 or terms.count(terms[0]) != len(terms):
             return None
         statistics = list(map(_STATISTICS, entries))
-        averages = set(map(loss_averages.__getitem__, committed))
+        averages = set(map(loss_averages.__getitem__, order))
         if len(averages) != 1 or not all(map(operator.contains, statistics, repeat("in"))):
             return None
         in_stacks, out_stacks = self._gathered("in", statistics), self._gathered("out", statistics)
@@ -90,7 +100,7 @@ class StatisticsNormaliser:
             self._scale_(out_stacks or list(map(_OUT, statistics)), out_factor, loss_scale)
         if in_stacks and out_stacks and set(map(len, statistics)) == {2}:
             self.stacks = in_stacks + out_stacks
-        return dict(zip(committed, statistics, strict=True))
+        return dict(zip(order, statistics, strict=True))
 
     def _gathered(self, side: str, statistics: list[dict]) -> list[Tensor]:
         """The stacks (:class:`~.grouped.GatheredRows`) now holding the ``side`` of every

@@ -80,9 +80,22 @@ def test_fast_path_taken_only_when_uniform(case):
     terms, with_input, average_list = CASES[case]
     committed = committed_of(terms, with_input)
     averages = dict(zip(committed, average_list, strict=True))
-    found = StatisticsNormaliser()._uniform(committed, averages, None)
+    found = StatisticsNormaliser()._uniform(committed, list(committed), averages, None)
     assert (found is not None) == case.startswith("uniform")
 
 
 def test_nothing_committed():
     assert StatisticsNormaliser()({}, {}, None) == {}
+
+
+@pytest.mark.parametrize("case", ["uniform", "mixed-terms"])
+def test_in_the_layers_order_not_the_commits(case):
+    """The backward pass commits the last layer first; the statistics come back in the
+    optimizer's layer order (that of ``loss_averages``), on and off the fast path."""
+    terms, with_input, average_list = CASES[case]
+    committed = committed_of(terms, with_input)
+    layers = list(committed)
+    backward = dict(reversed(list(committed.items())))
+    averages = dict(zip(layers, average_list, strict=True))
+    pending = StatisticsNormaliser()(backward, averages, None)
+    assert list(pending) == layers
