@@ -29,14 +29,15 @@ def update_factors(opt: Optimizer, layers: list[Layer]) -> None:
     updated = [layer for layer in layers if layer in pending_of]
     groups = opt.param_groups
     states = _weight_states(opt, updated)
-    opt._undo.save(states)
     if not updated:
+        opt._undo.save(states)
         opt._finite.check(opt._undo.updated(), FACTORS)
         return
     pendings = list(map(pending_of.__getitem__, updated))
     indices = list(map(opt._layer_group.__getitem__, updated))
     parts = positions_by(indices)  # per parameter group
     rules = {indices[part[0]]: opt.rule_for(groups[indices[part[0]]]) for part in parts}
+    opt._undo.save(states, _untouched(groups, rules, indices, parts, states))
     distribute_factors = opt._sync is not None and opt._sync.distribute_factors
     if distribute_factors or not all(
         rules[indices[part[0]]].started(groups[indices[part[0]]], [states[i] for i in part])
@@ -59,6 +60,17 @@ def update_factors(opt: Optimizer, layers: list[Layer]) -> None:
                 group["step"],
             )
     opt._finite.check(opt._undo.updated(), FACTORS)
+
+
+def _untouched(groups, rules, indices, parts, states) -> tuple[str, ...]:
+    """The state keys every group's rule leaves as they are in this update
+    (:meth:`~.rule.LayerRule.untouched`)."""
+    found = None
+    for part in parts:
+        group = groups[indices[part[0]]]
+        keys = rules[indices[part[0]]].untouched(group, [states[i] for i in part], group["step"])
+        found = keys if found is None else tuple(key for key in found if key in keys)
+    return found or ()
 
 
 def _weight_states(opt: Optimizer, layers: list[Layer]) -> list[dict]:

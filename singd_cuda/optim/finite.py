@@ -204,22 +204,29 @@ class FactorUndo:
         self._skip = skip
         self._flags = flags
         self._vectors: dict[int, Tensor] = {}
-        self._layout: _Layout | None = None
+        self._layout: _Layout | None = None  # of the last save
+        self._layouts: dict[tuple[str, ...], _Layout] = {}  # per set of untouched keys
         # what save() saved, until restore or clear: (one copy per run of matrices, host
         # values); a copy's rows are viewed only to restore (a view is a tracked object)
         self._saved: tuple[list[Tensor], list[Any]] | None = None
 
-    def save(self, states: list[dict]) -> None:
+    def save(self, states: list[dict], untouched: tuple[str, ...] = ()) -> None:
         """Save ``states`` (before any of them is updated; once a step): the vectors in
-        one multi-tensor copy. No states (a step between factor updates) keep the layout
-        for the next update."""
+        one multi-tensor copy; ``untouched``: top-level keys this update leaves as they
+        are (K-FAC's inverses between inversions), neither saved nor checked. No states
+        (a step between factor updates) keep the layouts for the next update."""
         if not states:
             self._saved = None
             return
-        layout = self._layout
+        layout = self._layouts.get(untouched)
         if layout is None or not layout.holds(states):
-            layout = self._layout = _Layout(states, self._skip, self._flags)
+            last = self._layout
+            if layout is not None or last is None or not last.holds(states):
+                self._layouts.clear()  # other states (a load, new layers): let the old go
+            layout = _Layout(states, self._skip + untouched, self._flags)
             layout.buffers = list(map(self._buffer, layout.saved_vectors, layout.saved_firsts))
+            self._layouts[untouched] = layout
+        self._layout = layout
         if layout.saved_vectors:
             torch._foreach_copy_(layout.buffers, layout.saved_vectors)
         matrices = layout.matrices

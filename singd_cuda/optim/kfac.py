@@ -78,6 +78,7 @@ _INVERSES = operator.itemgetter(*_INVERSE_KEYS)
 # layers whose factors can share a stack (the group holds one factor dtype, not one device)
 _STACKABLE = operator.attrgetter("dim_in", "dim_out", "weight.device")
 _FACTOR_UPDATES = operator.itemgetter("factor_updates")
+_INVERTED_AT = operator.itemgetter("inverted_at")
 _SIDES = (("A", "in"), ("G", "out"))  # (factor, its statistics in ``pending``)
 
 
@@ -237,6 +238,16 @@ class KfacRule(LayerRule):
             news = self._resident.gathered(stacks[key], [pending[side] for pending in pendings])
             stacks[key].mul_(decay).add_(news, alpha=1.0 - decay)
         return True
+
+    def untouched(self, group: dict, states: list[dict], step: int) -> tuple[str, ...]:
+        """The inverses, on a step that inverts none of ``states`` (as
+        :meth:`update_factors_many` decides: a first update, or ``T_inv`` steps since
+        the last inversion)."""
+        counts = list(map(_FACTOR_UPDATES, states))
+        period = group["T_inv"] or 1
+        if min(counts) > 0 and step - min(map(_INVERTED_AT, states)) < period:
+            return _INVERSE_KEYS
+        return ()
 
     def apply(self, layer, group, states, G: Tensor, step: int, seed: int, found_inf=None):
         """G_inv ∇W A_inv, grafted, then momentum SGD with weight decay."""

@@ -157,6 +157,12 @@ class LayerRule(ABC):
         The default starts nothing."""
         return True
 
+    def untouched(self, group: dict, states: list[dict], step: int) -> tuple[str, ...]:
+        """State entries (top-level keys) that :meth:`update_factors_many` of ``states``
+        at ``step`` leaves as they are, so that the step neither saves them for an undo
+        nor checks them. The default: none (every entry may change)."""
+        return ()
+
     def factor_structures(self, group: dict) -> tuple[str, str]:
         """(K side, C side) structure names of the layer's factors, for the cost model."""
         return ("dense", "dense")

@@ -176,3 +176,53 @@ def test_updated_holds_what_an_update_put_in_the_states(where):
     undo.restore()
     assert torch.equal(given[0]["h"], torch.arange(3.0))
     assert torch.equal(given[0]["K"]["mat"], torch.ones(2, 2))
+
+
+def test_untouched_entries_are_neither_saved_nor_checked():
+    """``untouched`` keys (K-FAC's inverses between inversions) stay out of the save, the
+    check and the restore; a save with other keys keeps its own layout, and new states
+    let the old layouts go."""
+    undo = FactorUndo()
+    given = states()
+    undo.save(given, ("K",))
+    assert len(undo.updated()) == 3  # h, h and T: no K
+    given[0]["K"]["mat"].fill_(5.0)  # what the update left: not restored
+    given[0]["h"].fill_(float("nan"))
+    undo.restore()
+    assert torch.equal(given[0]["h"], torch.arange(3.0))
+    assert torch.equal(given[0]["K"]["mat"], torch.full((2, 2), 5.0))
+    narrow = undo._layouts[("K",)]
+    undo.save(given)  # every entry: a layout of its own, the other kept
+    assert len(undo.updated()) == 5 and undo._layouts[("K",)] is narrow
+    undo.clear()
+    undo.save(given, ("K",))
+    assert undo._layout is narrow
+    undo.clear()
+    fresh = states()  # a load: other objects
+    undo.save(fresh, ("K",))
+    assert list(undo._layouts) == [("K",)] and undo._layout is not narrow
+    undo.clear()
+
+
+def test_kfac_saves_and_checks_its_inverses_only_when_it_inverts():
+    from singd_cuda import KFAC
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    opt = KFAC(model, lr=0.1, T=1, T_inv=3)
+    x = torch.randn(8, 4)
+    checked = []
+    for step in range(7):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        keys = [(m.weight, key) for m in (model[0], model[2]) for key in ("A_inv", "G_inv")]
+        inverses = [opt.state[p][key].clone() for p, key in keys]
+        opt.step()
+        checked.append(len(opt._undo._layout.checked))
+        changed = [
+            not torch.equal(opt.state[p][key], before)
+            for (p, key), before in zip(keys, inverses, strict=True)
+        ]
+        assert any(changed) == (step % 3 == 0)
+    # inverting steps 0, 3, 6 save (and check) the four inverses too
+    assert [c > checked[1] for c in checked] == [True, False, False, True, False, False, True]
