@@ -8,7 +8,7 @@ after an update recomputes them into the same buffers: no step allocates.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from itertools import count, repeat
 from operator import is_
 
@@ -70,6 +70,15 @@ class DerivedCache:
         at once by the caller)."""
         self._entries[id(layer)] = (sources, values)
         self._fresh.add(id(layer))
+
+    def put_many(
+        self, layers: list[Layer], sources: Iterable[tuple[Tensor, ...]], values: list[tuple]
+    ) -> None:
+        """:meth:`put` of each of ``layers`` (``sources`` and ``values`` in their order),
+        by C calls alone."""
+        ids = list(map(id, layers))
+        self._entries.update(zip(ids, zip(sources, values, strict=True), strict=True))
+        self._fresh.update(ids)
 
     def values(self) -> list[tuple]:
         """The derived values held (stale ones included: they keep their buffers)."""

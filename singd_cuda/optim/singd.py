@@ -255,8 +255,9 @@ class SingdRule(LayerRule):
         def derive(out: _StackedSquares | None) -> _StackedSquares:
             out = _stacked_square_buffers(C, K) if out is None else out
             _fill_stacked_squares(C, K, out)
-            for layer, state, row in zip(layers, states, out.rows, strict=True):
-                self._squares.put(layer, (state["C"]["diag"], state["K"]["diag"]), row)
+            # each layer's squares, as its own (c, k): C calls alone
+            sources = zip(map(_DIAG, map(_C, states)), map(_DIAG, map(_K, states)), strict=True)
+            self._squares.put_many(layers, sources, out.rows)
             return out
 
         return self._stacked_squares.get(layers, (C, K), derive, into=True)
@@ -572,6 +573,7 @@ _DTYPE = operator.attrgetter("dtype")
 # a pending diagonal statistic's vector is pending[side].parts["diag"]
 _IN, _OUT = operator.itemgetter("in"), operator.itemgetter("out")
 _PARTS, _DIAG = operator.attrgetter("parts"), operator.itemgetter("diag")
+_C, _K = operator.itemgetter("C"), operator.itemgetter("K")
 _OUTER_SIDES = operator.itemgetter("C", "K")
 _STACKED = ("dense", "block_diagonal", "hierarchical", "diagonal")  # vmap-safe structures
 

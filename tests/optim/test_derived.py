@@ -43,6 +43,13 @@ def test_derived_cache_keeps_values_until_forget_or_new_sources():
     cache.forget(first)
     cache.put(first, sources, ("put",))
     assert cache.get(first, sources, derive) == ("put",)
+    cache.forget(first, second)
+    other_sources = (torch.ones(3),)
+    cache.put_many([first, second], iter([sources, other_sources]), [("a",), ("b",)])
+    calls = len(derive.outs)
+    assert cache.get(first, sources, derive) == ("a",)
+    assert cache.get(second, other_sources, derive) == ("b",) and len(derive.outs) == calls
+    assert cache.get(second, sources, derive) != ("b",)  # held for other sources
 
 
 def test_group_cache_keeps_values_until_a_member_is_forgotten():
