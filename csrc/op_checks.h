@@ -123,6 +123,10 @@ Epilogue<T> make_epilogue(const Hyper& h, double inv_scale) {
 class InPlace {
  public:
   explicit InPlace(const at::Tensor& t) : target_(t), work_(t.contiguous()) {}
+  // ``contiguous`` false: the tensor itself whatever its strides (for a kernel that
+  // reads it where it lies, e.g. by rows)
+  InPlace(const at::Tensor& t, bool contiguous)
+      : target_(t), work_(contiguous ? t.contiguous() : t) {}
   const at::Tensor& work() const { return work_; }
   void commit() {
     if (!work_.is_same(target_)) target_.copy_(work_);

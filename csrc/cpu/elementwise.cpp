@@ -289,27 +289,120 @@ void diag_precond_step_cpu(at::TensorList params_in, at::TensorList grads_in,
   commit_all(state);
 }
 
+// Factor i of diag_factor_update_ as rows: a tensor is one factor (cut into spans of single
+// elements), except a 2-D (n, d) one whose a[i] and b[i] (those given) hold n > 1 values:
+// n factors of d elements, one row each, read where they lie when the rows are contiguous.
+struct FactorRows {
+  int64_t rows;
+  int64_t len;
+  int64_t k_stride, m_stride, h_stride;  // elements between rows
+  size_t values;                         // index of the first row's a and b values
+  bool stacked;
+};
+
+// Whether factor i is a stack of rows (see FactorRows).
+bool stacked_factor(const at::Tensor& k, at::TensorList a, at::TensorList b, size_t i) {
+  if (k.dim() != 2 || k.size(0) < 2) return false;
+  const int64_t n = k.size(0);
+  return (a.empty() || a[i].numel() == n) && (b.empty() || b[i].numel() == n);
+}
+
+// n values of a floating CPU tensor of n elements (one per row of a stacked factor), as
+// item<double>() would read each.
+void append_values(const at::Tensor& t, std::vector<double>& out) {
+  const at::Tensor flat = t.dim() == 1 ? t : t.reshape({-1});
+  const int64_t stride = flat.stride(0);
+  for (int64_t r = 0; r < flat.numel(); ++r) {
+    if (flat.scalar_type() == at::kFloat) {
+      out.push_back(static_cast<double>(flat.const_data_ptr<float>()[r * stride]));
+    } else if (flat.scalar_type() == at::kDouble) {
+      out.push_back(flat.const_data_ptr<double>()[r * stride]);
+    } else {
+      out.push_back(flat[r].item<double>());
+    }
+  }
+}
+
+void check_factor_values(at::TensorList k, at::TensorList a, at::TensorList b,
+                         at::TensorList values, const char* name) {
+  for (size_t i = 0; i < values.size(); ++i) {
+    const int64_t n = stacked_factor(k[i], a, b, i) ? k[i].size(0) : 1;
+    TORCH_CHECK(values[i].numel() == n, "diag_factor_update_: ", name, "[", i, "] has ",
+                values[i].numel(), " elements, expected ", n,
+                " (one, or one per row of a 2-D k[i] with a and b alike)");
+    const at::Tensor& t = values[i];
+    TORCH_CHECK(is_floating(t.scalar_type()) && t.device() == k[i].device(),
+                "diag_factor_update_: ", name, "[", i, "] must be a floating tensor on ",
+                k[i].device());
+  }
+}
+
+// The row stride of a 2-D tensor whose rows are contiguous, else -1.
+int64_t row_stride(const at::Tensor& t) {
+  return t.dim() == 2 && (t.stride(1) == 1 || t.size(1) <= 1) ? t.stride(0) : -1;
+}
+
 void diag_factor_update_cpu(at::TensorList k_in, at::TensorList m_in, at::TensorList h_in,
                             at::TensorList a, at::TensorList b, double alpha1, double beta1,
                             double damping) {
   const char* op = "diag_factor_update_";
   check_lists(op, k_in, {{"m", m_in}, {"h", h_in}});
-  check_traces(k_in, a, "a");
-  check_traces(k_in, b, "b");
+  TORCH_CHECK(a.empty() || a.size() == k_in.size(), op, ": a has ", a.size(),
+              " tensors, expected 0 or ", k_in.size());
+  TORCH_CHECK(b.empty() || b.size() == k_in.size(), op, ": b has ", b.size(),
+              " tensors, expected 0 or ", k_in.size());
+  check_factor_values(k_in, a, b, a, "a");
+  check_factor_values(k_in, a, b, b, "b");
   if (k_in.empty()) return;
-  auto k = in_place(k_in);
-  auto m = in_place(m_in);
-  const auto h = contiguous(h_in);
-  std::vector<double> a_val(k_in.size(), 1.0), b_val(k_in.size(), 1.0);
-  std::vector<int64_t> rows, ones;
+  // a stacked factor's rows are written where they lie when contiguous, else through a
+  // contiguous working copy (InPlace)
+  std::vector<InPlace> k, m;
+  std::vector<at::Tensor> h;
+  std::vector<FactorRows> shape;
+  std::vector<double> a_val, b_val;
+  std::vector<int64_t> rows, row_len;
   for (size_t i = 0; i < k_in.size(); ++i) {
-    if (!a.empty()) a_val[i] = cpu_value(a[i]);
-    if (!b.empty()) b_val[i] = cpu_value(b[i]);
-    rows.push_back(k_in[i].numel());
-    ones.push_back(1);
+    const bool stacked = stacked_factor(k_in[i], a, b, i);
+    const bool direct = stacked && row_stride(k_in[i]) >= 0 && row_stride(m_in[i]) >= 0;
+    k.emplace_back(k_in[i], !direct);
+    m.emplace_back(m_in[i], !direct);
+    h.push_back(stacked && row_stride(h_in[i]) >= 0 ? h_in[i] : h_in[i].contiguous());
+    FactorRows f{};
+    f.stacked = stacked;
+    f.values = a_val.size();
+    if (stacked) {
+      f.rows = k_in[i].size(0);
+      f.len = k_in[i].size(1);
+      f.k_stride = direct ? k_in[i].stride(0) : f.len;
+      f.m_stride = direct ? m_in[i].stride(0) : f.len;
+      f.h_stride = row_stride(h_in[i]) >= 0 ? h_in[i].stride(0) : f.len;
+    } else {  // one factor, in spans of elements
+      f.rows = k_in[i].numel();
+      f.len = 1;
+      f.k_stride = f.m_stride = f.h_stride = 1;
+    }
+    const size_t values = stacked ? static_cast<size_t>(f.rows) : 1;
+    if (a.empty()) {
+      a_val.insert(a_val.end(), values, 1.0);
+    } else if (stacked) {
+      append_values(a[i], a_val);
+    } else {
+      a_val.push_back(cpu_value(a[i]));
+    }
+    if (b.empty()) {
+      b_val.insert(b_val.end(), values, 1.0);
+    } else if (stacked) {
+      append_values(b[i], b_val);
+    } else {
+      b_val.push_back(cpu_value(b[i]));
+    }
+    rows.push_back(f.rows);
+    row_len.push_back(f.len);
+    shape.push_back(f);
   }
-  parallel_spans(make_spans(rows, ones), [&](const Span& sp) {
+  parallel_spans(make_spans(rows, row_len), [&](const Span& sp) {
     const size_t i = sp.tensor;
+    const FactorRows& f = shape[i];
     const at::Tensor& kt = k[i].work();
     const at::Tensor& mt = m[i].work();
     dispatch_types(kt.scalar_type(), mt.scalar_type(), h[i].scalar_type(),
@@ -321,16 +414,22 @@ void diag_factor_update_cpu(at::TensorList k_in, at::TensorList m_in, at::Tensor
                      K* kp = kt.data_ptr<K>();
                      M* mp = mt.data_ptr<M>();
                      const H* hp = h[i].const_data_ptr<H>();
-                     const T av = static_cast<T>(a_val[i]);
-                     const T lam_b = static_cast<T>(damping) * static_cast<T>(b_val[i]);
                      const T al = static_cast<T>(alpha1);
                      const T be = static_cast<T>(beta1);
-                     for (int64_t j = sp.begin; j < sp.end; ++j) {
-                       T kv = static_cast<T>(kp[j]);
-                       T mv = static_cast<T>(mp[j]);
-                       factor_element(kv, mv, static_cast<T>(hp[j]), av, lam_b, al, be);
-                       kp[j] = static_cast<K>(kv);
-                       mp[j] = static_cast<M>(mv);
+                     for (int64_t r = sp.begin; r < sp.end; ++r) {
+                       const size_t v = f.values + (f.stacked ? static_cast<size_t>(r) : 0);
+                       const T av = static_cast<T>(a_val[v]);
+                       const T lam_b = static_cast<T>(damping) * static_cast<T>(b_val[v]);
+                       K* kr = kp + r * f.k_stride;
+                       M* mr = mp + r * f.m_stride;
+                       const H* hr = hp + r * f.h_stride;
+                       for (int64_t j = 0; j < f.len; ++j) {
+                         T kv = static_cast<T>(kr[j]);
+                         T mv = static_cast<T>(mr[j]);
+                         factor_element(kv, mv, static_cast<T>(hr[j]), av, lam_b, al, be);
+                         kr[j] = static_cast<K>(kv);
+                         mr[j] = static_cast<M>(mv);
+                       }
                      }
                    });
   });

@@ -202,8 +202,13 @@ def diag_factor_update_(
     for i, k_i in enumerate(k):
         acc = _opmath(k_i.dtype)
         kf = k_i.to(acc)
-        a_i = a[i].to(acc).reshape(()) if len(a) else 1.0
-        lam_b = damping * b[i].to(acc).reshape(()) if len(b) else damping
+        # one value per factor: per row of a stacked (n, d) factor (n > 1 values given)
+        rows = k_i.dim() == 2 and all(
+            len(v) == 0 or v[i].numel() == k_i.shape[0] > 1 for v in (a, b)
+        )
+        shape = (k_i.shape[0], 1) if rows else ()
+        a_i = a[i].to(acc).reshape(shape) if len(a) else 1.0
+        lam_b = damping * b[i].to(acc).reshape(shape) if len(b) else damping
         m_hat = 0.5 * (a_i * h[i].to(acc) + lam_b * (kf * kf) - 1)
         m_new = alpha1 * m[i].to(acc) + m_hat
         m[i].copy_(m_new)

@@ -290,28 +290,30 @@ class SingdRule(LayerRule):
         kfac_like = group["kfac_like"]
         squares = None if kfac_like else self._stacked_squares_of(layers, states, stacks)
         lists = self._rows_of_stacks(stacks, squares)
+        # the statistics as the rows of one stack per side (the step's gathered ones, in
+        # the layers' order), on the CPU: the op then takes each side as one stack
+        h_stacks = None
+        if K.device.type == "cpu":
+            h_stacks = (vector_stack(h_K), vector_stack(h_C))
+            if h_stacks[0] is None or h_stacks[1] is None:
+                h_stacks = None
         if squares is not None:
-            self._sum_means(h_C, h_K, lists)
-            squares.means.mul_(squares.inv_dims)  # tr̄(H) of the other side
-        h = interleaved(h_K, h_C)
-        # a, b: the means (scaled in place above) and tr̄(Π̂(otherᵀ other)) of each side
-        _diag_factor_update(
-            lists.factors, lists.momenta, h, lists.sum_outs, lists.traces, group, step
-        )
-        return True
-
-    def _sum_means(self, h_C: list[Tensor], h_K: list[Tensor], lists: _StackRows) -> None:
-        """The sums of each layer's statistics into its squares' means: per side one row
-        sum of the stack the statistics are the rows of (the step's gathered statistics,
-        in the layers' order; on the CPU, where a row of a stack sums as a vector does),
-        else by :class:`~.grouped.StackedSums`."""
-        if h_C[0].device.type == "cpu":
-            stacks = (vector_stack(h_C), vector_stack(h_K))
-            if stacks[0] is not None and stacks[1] is not None:
-                for stack, column in zip(stacks, lists.mean_columns, strict=True):
+            if h_stacks is not None:  # each side's sums: one row sum of its stack
+                for stack, column in zip(h_stacks[::-1], lists.mean_columns, strict=True):
                     torch.sum(stack, 1, keepdim=True, dtype=column.dtype, out=column)
-                return
-        self._means(interleaved(h_C, h_K), lists.sum_outs)
+            else:
+                self._means(interleaved(h_C, h_K), lists.sum_outs)
+            squares.means.mul_(squares.inv_dims)  # tr̄(H) of the other side
+        # a, b: the means (scaled in place above) and tr̄(Π̂(otherᵀ other)) of each side
+        if h_stacks is not None:
+            factors, momenta, a, b = lists.stacked
+            _diag_factor_update(factors, momenta, list(h_stacks), a, b, group, step)
+        else:
+            h = interleaved(h_K, h_C)
+            _diag_factor_update(
+                lists.factors, lists.momenta, h, lists.sum_outs, lists.traces, group, step
+            )
+        return True
 
     def _rows_of_stacks(self, stacks: dict, squares: _StackedSquares | None) -> _StackRows:
         """The per-layer lists of rows :func:`diag_factor_update_` takes, of the factor
@@ -320,17 +322,22 @@ class SingdRule(LayerRule):
         if kept is not None and kept[0] is stacks and kept[1] is squares:
             return kept[2]
         rows = {key: stacks[key]["diag"].unbind() for key in ("K", "C", "m_K", "m_C")}
-        sum_outs, traces, mean_columns = [], [], ()
+        sum_outs, traces, mean_columns, a, b = [], [], (), [], []
         if squares is not None:
             sum_outs = [part for row in squares.rows for part in row.mean_parts]
             traces = [part for row in squares.rows for part in row.trace_parts]
             mean_columns = (squares.means[:, 0:1], squares.means[:, 1:2])
+            # K's a, b: column 0 (the C side's mean and trace), C's: column 1
+            a, b = list(squares.means.unbind(1)), list(squares.traces.unbind(1))
+        factors = [stacks["K"]["diag"], stacks["C"]["diag"]]
+        momenta = [stacks["m_K"]["diag"], stacks["m_C"]["diag"]]
         lists = _StackRows(
             interleaved(rows["K"], rows["C"]),
             interleaved(rows["m_K"], rows["m_C"]),
             sum_outs,
             traces,
             mean_columns,
+            (factors, momenta, a, b),
         )
         # entries of stacks no longer kept go (they would hold the stacks' memory)
         self._stack_rows = {
@@ -754,6 +761,9 @@ class _StackRows(NamedTuple):
     sum_outs: list[Tensor]
     traces: list[Tensor]
     mean_columns: tuple[Tensor, ...]  # the means' columns (L, 1): tr(H_C), tr(H_K)
+    # the op's lists in its stacked form (one entry per side: K, then C) but the
+    # statistics': the factor stacks, their momenta, a and b
+    stacked: tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]
 
 
 def _stacked_square_buffers(C: Tensor, K: Tensor) -> _StackedSquares:
