@@ -55,16 +55,21 @@ GGN_LOSSES = ("mse", "cross_entropy")
 def invert_into(factors: list[Tensor], targets: list[Tensor], damping: float, method: str):
     """targets[i] <- (F_i + damping·I)⁻¹ for symmetric factors F_i of one shape (d, d),
     dtype and device, computed in float32 (float64 for float64) by ``method`` ("inverse":
-    torch.linalg.inv, "eigen": Q diag(1/(w + damping)) Qᵀ from eigh), written into
+    torch.linalg.inv_ex, "eigen": Q diag(1/(w + damping)) Qᵀ from eigh), written into
     ``targets`` (any float dtype) by one multi-tensor copy. One stack and one damping add
     for all, then one LAPACK call per matrix: a batched call is not bitwise the same as
     per-matrix calls for every size, and after some earlier workloads in a process (a
-    full test run) a batched CPU inversion was seen to hang in its thread pool."""
+    full test run) a batched CPU inversion was seen to hang in its thread pool.
+
+    ``inv_ex`` is ``torch.linalg.inv`` bit for bit without its error check: a singular
+    damped factor (damping 0) gives a non-finite inverse, which the step's finite check
+    turns into a skipped step with a warning naming the fix, instead of an exception
+    raised halfway through the factor updates."""
     F = torch.stack(factors).to(accumulation_dtype(factors[0].dtype))
     d = F.shape[-1]
     if method == "inverse":
         F.add_(damping * torch.eye(d, dtype=F.dtype, device=F.device))
-        inverses = list(map(torch.linalg.inv, F))
+        inverses = list(map(_FIRST, map(torch.linalg.inv_ex, F)))
     else:  # a non-finite F (its step is skipped and F restored) must not make eigh raise
         F.nan_to_num_(0.0, 0.0, 0.0)
         inverses = [(Q / (w + damping)) @ Q.T for w, Q in map(torch.linalg.eigh, F)]

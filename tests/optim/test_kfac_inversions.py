@@ -44,3 +44,24 @@ def test_a_nonfinite_factor_gives_a_nonfinite_inverse_and_leaves_the_others():
     assert not targets[2].isfinite().all()
     for index in (0, 1, 3):
         assert torch.equal(targets[index], damped_inverse(given[index], 0.03, "inverse"))
+
+
+def test_a_singular_damped_factor_skips_the_step_with_a_warning():
+    """damping=0 and a layer whose inputs are all zero (a dead ReLU before it): its A is
+    singular. The inverse is non-finite, so the step is skipped with the factor warning
+    (which names the fix) and nothing changes, where torch.linalg.inv raised mid-step."""
+    from singd_cuda import KFAC
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    with torch.no_grad():
+        model[0].weight.fill_(-1.0)
+        model[0].bias.fill_(-5.0)
+    opt = KFAC(model, lr=0.1, T=1, damping=0.0)
+    weights = [p.clone() for p in model.parameters()]
+    opt.zero_grad()
+    model(torch.rand(8, 4)).square().mean().backward()
+    with pytest.warns(RuntimeWarning, match="non-finite values.*larger damping"):
+        opt.step()
+    assert opt.param_groups[0]["step"] == 0
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights, strict=True))
