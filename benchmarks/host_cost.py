@@ -34,7 +34,7 @@ hook per weight that commits the staged row and a callback per backward pass tha
 the uncommitted ones; the same ops, so it prices the contract's Python hooks alone.
 ``floor + K-FAC's inversions`` (:class:`InvertingFloor`) adds the
 two damped inversions per layer that K-FAC makes when it inverts every step, one
-``torch.linalg.inv`` per matrix as K-FAC calls them. ``K-FAC's floor`` (:class:`KfacFloor`)
+``torch.linalg.inv_ex`` per matrix as K-FAC calls them. ``K-FAC's floor`` (:class:`KfacFloor`)
 is K-FAC's own work at T=1 written the same minimal way (hooks writing aᵀa and gᵀg into
 stacked rows, the EMAs, the products and the write on stacks and foreach lists; the same
 trajectory as ``KFAC`` in float64): the bound of the two K-FAC rows, between inversions and
@@ -86,6 +86,7 @@ import singd_cuda
 from singd_cuda import KFAC, SINGD, AdaFisher
 
 READS = ("item", "__bool__", "__float__", "__int__", "tolist")
+_INV_EX = torch.linalg.inv_ex  # K-FAC's inversion: torch.linalg.inv without its error check
 PACKAGE = str(Path(singd_cuda.__file__).resolve().parent)
 MODELS = {
     # name: (layers, width, batch, activation)
@@ -103,7 +104,7 @@ def optimizers() -> dict[str, tuple[int, Callable[[nn.Module], torch.optim.Optim
             1,
             lambda m: ContractFloor(m, lr=1e-4),
         ),
-        "floor + K-FAC's inversions (2 per layer, one torch.linalg.inv each)": (
+        "floor + K-FAC's inversions (2 per layer, one torch.linalg.inv_ex each)": (
             1,
             lambda m: InvertingFloor(m, lr=1e-4),
         ),
@@ -216,7 +217,7 @@ class Floor:
 class InvertingFloor(Floor):
     """The floor plus the work K-FAC adds when it inverts every step and nothing else:
     per layer, (A + λI)⁻¹ of a (d_in + 1)² and (G + λI)⁻¹ of a d_out² factor, one
-    ``torch.linalg.inv`` per matrix as K-FAC calls it (a batched call is faster but not
+    ``torch.linalg.inv_ex`` per matrix as K-FAC calls it (a batched call is faster but not
     bitwise the same for every size), written into kept buffers by one foreach copy per
     side. The factors stay λ-damped identities: LAPACK's time does not depend on them."""
 
@@ -232,7 +233,7 @@ class InvertingFloor(Floor):
     def step(self):
         super().step()
         for factor, inverses in zip(self.factors, self.inverses, strict=True):
-            torch._foreach_copy_(inverses, list(map(torch.linalg.inv, factor)))
+            torch._foreach_copy_(inverses, [inverse for inverse, _ in map(_INV_EX, factor)])
 
 
 class KfacFloor:
@@ -245,7 +246,7 @@ class KfacFloor:
     output-gradient hook, which writes gᵀg into its row of an (L, d_out, d_out) stack. The
     step: A ← ρA + (1-ρ)A_new and G ← ρG + (1-ρ)·N·G_new on the stacks (the first update
     takes them as they are); the damped inverses (A + √λI)⁻¹ and (G + √λI)⁻¹ at the first
-    step (``invert_every_step``: at every step), one ``torch.linalg.inv`` per matrix as
+    step (``invert_every_step``: at every step), one ``torch.linalg.inv_ex`` per matrix as
     K-FAC calls them; the gradients copied into an (L, d_out, d_in + 1) stack (one
     foreach copy), G⁻¹ ∇W A⁻¹ as two batched products into a kept stack, and momentum
     SGD (buf ← m·buf + direction, θ ← θ - lr·buf) over ``torch._foreach_`` lists.
@@ -293,7 +294,8 @@ class KfacFloor:
         if self.updates == 0 or self.invert_every_step:
             for factor, inverses in ((self.A, self.A_inv), (self.G, self.G_inv)):
                 damped = factor + self.root * torch.eye(factor.shape[-1], dtype=factor.dtype)
-                torch._foreach_copy_(list(inverses.unbind(0)), list(map(torch.linalg.inv, damped)))
+                found = [inverse for inverse, _ in map(_INV_EX, damped)]
+                torch._foreach_copy_(list(inverses.unbind(0)), found)
         self.updates += 1
         torch._foreach_copy_(self.grad_views, [p.grad for p in self.params])
         torch.bmm(torch.bmm(self.G_inv, self.grads), self.A_inv, out=self.naturals)
