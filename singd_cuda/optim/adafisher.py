@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
+from itertools import repeat
 from typing import Any, NamedTuple
 
 import torch
@@ -379,6 +380,7 @@ def _stack_key(layer: Layer, state: dict) -> tuple:
 
 
 _SIDES = (("h", "in"), ("s", "out"))  # (EMA, its statistics in ``pending``)
+_FIRST, _STEP = operator.itemgetter(0), operator.itemgetter("step")
 
 
 def _ema_each(states: list[dict], pendings: list[dict], weight: float) -> None:
@@ -502,7 +504,7 @@ class AdaFisherRule(LayerRule):
             self._apply_grafted(layers, group, states, inv_scale, step, seed, found_inf)
             return
         rows, cols = self._counted_scales_many(layers, states)
-        counts = [layer_states[0]["step"] for layer_states in states]
+        counts = list(map(_STEP, map(_FIRST, states)))
         by_count: dict[int, tuple[int, DiagonalBatch]] = {}
         if counts.count(counts[0]) == len(counts):  # the common case: one batch, kept
             by_count[counts[0]] = (
@@ -572,7 +574,7 @@ class AdaFisherRule(LayerRule):
         normalise the rows of their stacked EMAs at once (:func:`min_max_normalise_rows`
         on :class:`~.grouped.ResidentStacks`), into buffers kept between factor updates
         whose rows are the layers' s′ and h′; a layer alone has its own."""
-        weight_states = [layer_states[0] for layer_states in states]
+        weight_states = list(map(_FIRST, states))
         parts = self._parts(layers, weight_states)
         if len(parts) == 1 and len(layers) > 1:  # the common case: one stack
             rows, cols = self._stacked_scales(layers, weight_states)
@@ -588,8 +590,9 @@ class AdaFisherRule(LayerRule):
                 )
                 for i, s, h in zip(part, part_rows, part_cols, strict=True):
                     rows[i], cols[i] = s, h
-        for state in weight_states:
-            state["step"] += 1
+        # every count one more, by C calls
+        counts = map((1).__add__, map(_STEP, weight_states))
+        list(map(operator.setitem, weight_states, repeat("step"), counts))
         return rows, cols
 
     def _stacked_scales(self, layers, states: list[dict]) -> tuple[list[Tensor], list[Tensor]]:

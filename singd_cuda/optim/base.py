@@ -28,7 +28,7 @@ import warnings
 from abc import abstractmethod
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
-from itertools import chain
+from itertools import chain, repeat
 from typing import Any, ClassVar
 
 import torch
@@ -72,6 +72,7 @@ from .statistics import StatisticsNormaliser
 
 _LAYOUT = operator.attrgetter("layout")
 _GRAD = operator.attrgetter("grad")
+_WEIGHT_GRAD = operator.attrgetter("weight.grad")
 _PARAMS = operator.itemgetter("params")
 _PRESENT = functools.partial(operator.is_not, None)  # x is not None, a C call
 STEP_NOT_COMPILED = (
@@ -745,12 +746,16 @@ class KroneckerOptimizer(Optimizer):
     def _layers_to_step(self) -> tuple[list[Layer], list[Layer]]:
         """(the layers with a gradient that are preconditioned, those with a gradient that
         wait for their first statistics: the fallback trains them until then)."""
-        with_grad = [  # a frozen weight's trained bias counts
-            layer
-            for layer in self._layers
-            if layer.weight.grad is not None
-            or (layer.bias is not None and layer.bias.grad is not None)
-        ]
+        layers = self._layers
+        if any(map(operator.is_, map(_WEIGHT_GRAD, layers), repeat(None))):
+            with_grad = [  # a frozen weight's trained bias counts
+                layer
+                for layer in layers
+                if layer.weight.grad is not None
+                or (layer.bias is not None and layer.bias.grad is not None)
+            ]
+        else:  # every weight has a gradient (by C calls)
+            with_grad = list(layers)
         # Before any model forward no layer can have had statistics, so none waits for
         # them: torch.distributed.checkpoint builds a fresh optimizer's state template by one
         # step with zero gradients (_init_optim_state), and the layers then take the factor

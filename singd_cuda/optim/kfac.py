@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import operator
 from functools import partial
-from itertools import chain
+from itertools import chain, repeat
 from typing import Any
 
 import torch
@@ -128,6 +128,13 @@ def _natural(state: dict, G: Tensor) -> Tensor:
     return state["G_inv"].to(G.dtype) @ G @ state["A_inv"].to(G.dtype)
 
 
+def _inverts_none(counts: list[int], states: list[dict], step: int, period: int) -> bool:
+    """Whether the factor update at ``step`` inverts none of ``states`` (``counts``: their
+    factor updates so far): none is a first update, and every last inversion is less
+    than ``period`` steps back."""
+    return min(counts) > 0 and step - min(map(_INVERTED_AT, states)) < period
+
+
 def _ema_each(states: list[dict], pendings: list[dict], group: dict) -> None:
     """The factor EMA of each layer, one multi-tensor multiply and add per decay (a
     low-precision factor's EMA runs in its statistics' dtype, then is stored back)."""
@@ -208,15 +215,18 @@ class KfacRule(LayerRule):
             lambda *rest: _ema_each(*rest, group),
         )
         period = group["T_inv"] or 1
+        counts = list(map(_FACTOR_UPDATES, states))
+        inverts = not _inverts_none(counts, states, step, period)
+        # every count one more, by C calls
+        list(map(operator.setitem, states, repeat("factor_updates"), map((1).__add__, counts)))
+        if not inverts:  # (between inversions: no loop over the layers)
+            return
         due, inverting = [], []  # the states whose inversions are due, and their layers
-        for layer, state in zip(layers, states, strict=True):
-            state["factor_updates"] += 1
-            if state["factor_updates"] == 1 or step - state["inverted_at"] >= period:
+        for layer, state, count in zip(layers, states, counts, strict=True):
+            if count == 0 or step - state["inverted_at"] >= period:
                 state["inverted_at"] = step
                 due.append(state)
                 inverting.append(layer)
-        if not due:
-            return
         self._stacked.forget(*inverting)
         # A and G of each layer in turn, one invert_into per (shape, dtype, device)
         factors = interleaved(map(_A, due), map(_G, due))
@@ -249,10 +259,7 @@ class KfacRule(LayerRule):
         :meth:`update_factors_many` decides: a first update, or ``T_inv`` steps since
         the last inversion)."""
         counts = list(map(_FACTOR_UPDATES, states))
-        period = group["T_inv"] or 1
-        if min(counts) > 0 and step - min(map(_INVERTED_AT, states)) < period:
-            return _INVERSE_KEYS
-        return ()
+        return _INVERSE_KEYS if _inverts_none(counts, states, step, group["T_inv"] or 1) else ()
 
     def apply(self, layer, group, states, G: Tensor, step: int, seed: int, found_inf=None):
         """G_inv ∇W A_inv, grafted, then momentum SGD with weight decay."""
