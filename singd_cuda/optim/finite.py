@@ -284,22 +284,34 @@ class FactorUndo:
         )
 
     def _restore(self, write: Callable[[Tensor, Tensor], Any], host_values: bool) -> None:
-        """``write(saved, current)`` for every saved tensor, entry by entry (an update may
-        have put new tensors in the states); with ``host_values`` the saved host values
-        are set back too."""
+        """``write(saved, current)`` for every saved tensor: per saved stack while the
+        states still hold the saved entries, else entry by entry (an update may have put
+        new tensors in the states); with ``host_values`` the saved host values are set
+        back too."""
         if self._saved is None:
             return
         layout, (stacks, values) = self._layout, self._saved
-        clones = [copy for stack in stacks for copy in stack.unbind(0)]
-        vectors = [
-            copy
-            for buffer, stacked in zip(layout.buffers, layout.stacked, strict=True)
-            for copy in (buffer.unbind(0) if stacked else (buffer,))
-        ]
-        for (i, path), saved in zip(layout.vector_paths, vectors, strict=True):
-            write(saved, reduce(getitem, path, layout.states[i]))
-        for (i, path), saved in zip(layout.matrix_paths, clones, strict=True):
-            write(saved, reduce(getitem, path, layout.states[i]))
+        if layout.same_objects():  # (saved, current) per saved stack or tensor
+            pairs = list(zip(layout.buffers, layout.saved_vectors, strict=True))
+            for (start, end, stack), copy in zip(layout.runs, stacks, strict=True):
+                if stack is not None:
+                    pairs.append((copy, stack))
+                else:
+                    pairs += zip(copy.unbind(0), layout.matrices[start:end], strict=True)
+        else:  # per entry, where the states hold it now
+            clones = [copy for stack in stacks for copy in stack.unbind(0)]
+            vectors = [
+                copy
+                for buffer, stacked in zip(layout.buffers, layout.stacked, strict=True)
+                for copy in (buffer.unbind(0) if stacked else (buffer,))
+            ]
+            currents = [
+                reduce(getitem, path, layout.states[i])
+                for i, path in layout.vector_paths + layout.matrix_paths
+            ]
+            pairs = zip(vectors + clones, currents, strict=True)
+        for saved, current in pairs:
+            write(saved, current)
         if host_values:
             for (i, path), value in zip(layout.value_paths, values, strict=True):
                 reduce(getitem, path[:-1], layout.states[i])[path[-1]] = value
