@@ -323,6 +323,19 @@ void append_values(const at::Tensor& t, std::vector<double>& out) {
   }
 }
 
+// The a (or b) values of factor i into `out`: one per row of a stacked factor, and
+// `count` ones when none are given.
+void append_factor_values(at::TensorList given, size_t i, bool stacked, size_t count,
+                          std::vector<double>& out) {
+  if (given.empty()) {
+    out.insert(out.end(), count, 1.0);
+  } else if (stacked) {
+    append_values(given[i], out);
+  } else {
+    out.push_back(cpu_value(given[i]));
+  }
+}
+
 void check_factor_values(at::TensorList k, at::TensorList a, at::TensorList b,
                          at::TensorList values, const char* name) {
   for (size_t i = 0; i < values.size(); ++i) {
@@ -382,20 +395,8 @@ void diag_factor_update_cpu(at::TensorList k_in, at::TensorList m_in, at::Tensor
       f.k_stride = f.m_stride = f.h_stride = 1;
     }
     const size_t values = stacked ? static_cast<size_t>(f.rows) : 1;
-    if (a.empty()) {
-      a_val.insert(a_val.end(), values, 1.0);
-    } else if (stacked) {
-      append_values(a[i], a_val);
-    } else {
-      a_val.push_back(cpu_value(a[i]));
-    }
-    if (b.empty()) {
-      b_val.insert(b_val.end(), values, 1.0);
-    } else if (stacked) {
-      append_values(b[i], b_val);
-    } else {
-      b_val.push_back(cpu_value(b[i]));
-    }
+    append_factor_values(a, i, stacked, values, a_val);
+    append_factor_values(b, i, stacked, values, b_val);
     rows.push_back(f.rows);
     row_len.push_back(f.len);
     shape.push_back(f);
