@@ -277,8 +277,10 @@ class SingdRule(LayerRule):
         """:meth:`_update_diagonal_factors` of layers whose factors are the rows of
         ``stacks``, with the lists of rows the op takes kept with the stacks and their
         squares (a warm call builds the statistics' lists alone, by C calls); the scaling
-        of the means is one multiply of their stack. False (nothing done) for a single
-        layer."""
+        of the means is one multiply of their stack. On the CPU, where the statistics are
+        the rows of the step's gathered stacks (:func:`~.grouped.vector_stack`), their sums
+        are one row sum per side and the op takes each side as one stacked entry. False
+        (nothing done) for a single layer."""
         if len(layers) < 2:
             return False
         K = stacks["K"]["diag"]

@@ -105,10 +105,12 @@ class StatisticsNormaliser:
     def _gathered(self, side: str, statistics: list[dict]) -> list[Tensor]:
         """The stacks (:class:`~.grouped.GatheredRows`) now holding the ``side`` of every
         layer's ``statistics``, each layer's tensor replaced by its row (a view, equal
-        values): for plain tensors, and for structured matrices of one structure whose one
+        values): for plain tensors (K-FAC's Gram matrices and AdaFisher's vectors, which
+        only elementwise EMAs read) and for structured matrices of one structure whose one
         part is a vector (the diagonal: its consumers are elementwise and sums, which a
-        row computes as a vector; a matrix part would meet GEMMs, which may round
-        differently at a row's offset). Empty (nothing changed) for other statistics."""
+        row computes as a vector); not for SINGD's matrix parts, which meet GEMMs that may
+        round differently at a row's offset. Empty (nothing changed) for other
+        statistics."""
         values = list(map(operator.itemgetter(side), statistics))
         kinds = set(map(type, values))
         if kinds == PLAIN:
