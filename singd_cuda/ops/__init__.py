@@ -317,10 +317,10 @@ def diag_factor_update_(
     ``m_hat = 0.5 * (a_i * h + (damping * b_i) * k**2 - 1)``, ``m = alpha1 * m + m_hat``,
     ``k = k * (1 - beta1 * m)``.
 
-    On the CPU a 2-D k[i] (n, d) whose a[i] and b[i] (those given) hold n > 1 values is
-    n factors, its rows (each contiguous, any row stride; m[i] and h[i] alike), with the
-    values of row r at a[i][r] and b[i][r]: a stack of factors in one entry, bitwise as
-    its rows one by one. (The CUDA op takes one factor per entry.)
+    On the CPU a 2-D ``k[i]`` (n, d) whose ``a[i]`` and ``b[i]`` (those given) hold n > 1
+    values is n factors, its rows (each contiguous, any row stride; ``m[i]`` and ``h[i]``
+    alike), with the values of row r at ``a[i][r]`` and ``b[i][r]``: a stack of factors in
+    one entry, bitwise as its rows one by one. (The CUDA op takes one factor per entry.)
 
     Args:
         k: diagonal factors (d,), any floating dtype, updated in place.
