@@ -313,26 +313,6 @@ _BASE = operator.attrgetter("_base")
 _WEIGHT_DTYPE_DEVICE = operator.attrgetter("weight.dtype", "weight.device")
 
 
-def vector_stack(vectors: Sequence[Tensor]) -> Tensor | None:
-    """The contiguous (n, d) tensor whose n rows are exactly ``vectors`` (contiguous 1-D
-    views of it, in order: the rows :class:`GatheredRows` gives), found by C calls alone;
-    else None."""
-    base = vectors[0]._base
-    n = len(vectors)
-    if base is None or base.dim() != 2 or base.shape[0] != n or not base.is_contiguous():
-        return None
-    d, start = base.shape[1], base.storage_offset()
-    if (
-        list(map(Tensor.storage_offset, vectors)) != list(range(start, start + n * d, d))
-        or not all(map(is_, map(_BASE, vectors), repeat(base, n)))
-        or set(map(Tensor.dim, vectors)) != {1}
-        or set(map(Tensor.numel, vectors)) != {d}
-        or not all(map(Tensor.is_contiguous, vectors))
-    ):
-        return None
-    return base
-
-
 def stack_of_rows(rows: Sequence[Tensor]) -> Tensor | None:
     """The (L, *shape) view whose rows are exactly ``rows``, in order, when they lie as the
     rows of a stack do (two or more views of one base with equal shapes, strides and

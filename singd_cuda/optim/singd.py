@@ -35,9 +35,9 @@ from .grouped import (
     StackedSums,
     interleaved,
     split_matrices,
+    stack_of_rows,
     stack_parts,
     stacked_gradients,
-    vector_stack,
 )
 from .rule import LayerRule, scheduled
 from .scale_out import DEFAULT_BUCKET_CAP_MB
@@ -278,13 +278,13 @@ class SingdRule(LayerRule):
         ``stacks``, with the lists of rows the op takes kept with the stacks and their
         squares (a warm call builds the statistics' lists alone, by C calls); the scaling
         of the means is one multiply of their stack. On the CPU, where the statistics are
-        the rows of the step's gathered stacks (:func:`~.grouped.vector_stack`), their sums
+        the rows of the step's gathered stacks (:func:`~.grouped.stack_of_rows`), their sums
         are one row sum per side and the op takes each side as one stacked entry. False
         (nothing done) for a single layer."""
         if len(layers) < 2:
             return False
         K = stacks["K"]["diag"]
-        acc = torch.float64 if K.dtype == torch.float64 else torch.float32
+        acc = accumulation_dtype(K.dtype)
         h_K = list(map(_DIAG, map(_PARTS, map(_IN, pendings))))
         h_C = list(map(_DIAG, map(_PARTS, map(_OUT, pendings))))
         if set(map(_DTYPE, h_K)) != {acc} or set(map(_DTYPE, h_C)) != {acc}:
@@ -296,13 +296,14 @@ class SingdRule(LayerRule):
         # the layers' order), on the CPU: the op then takes each side as one stack
         h_stacks = None
         if K.device.type == "cpu":
-            h_stacks = (vector_stack(h_K), vector_stack(h_C))
+            h_stacks = (stack_of_rows(h_K), stack_of_rows(h_C))
             if h_stacks[0] is None or h_stacks[1] is None:
                 h_stacks = None
         if squares is not None:
             if h_stacks is not None:  # each side's sums: one row sum of its stack
-                for stack, column in zip(h_stacks[::-1], lists.mean_columns, strict=True):
-                    torch.sum(stack, 1, keepdim=True, dtype=column.dtype, out=column)
+                # into the means' columns (the other side's a: C's sums are K's a)
+                for stack, column in zip(h_stacks[::-1], lists.stacked[2], strict=True):
+                    torch.sum(stack, 1, dtype=column.dtype, out=column)
             else:
                 self._means(interleaved(h_C, h_K), lists.sum_outs)
             squares.means.mul_(squares.inv_dims)  # tr̄(H) of the other side
@@ -324,11 +325,10 @@ class SingdRule(LayerRule):
         if kept is not None and kept[0] is stacks and kept[1] is squares:
             return kept[2]
         rows = {key: stacks[key]["diag"].unbind() for key in ("K", "C", "m_K", "m_C")}
-        sum_outs, traces, mean_columns, a, b = [], [], (), [], []
+        sum_outs, traces, a, b = [], [], [], []
         if squares is not None:
             sum_outs = [part for row in squares.rows for part in row.mean_parts]
             traces = [part for row in squares.rows for part in row.trace_parts]
-            mean_columns = (squares.means[:, 0:1], squares.means[:, 1:2])
             # K's a, b: column 0 (the C side's mean and trace), C's: column 1
             a, b = list(squares.means.unbind(1)), list(squares.traces.unbind(1))
         factors = [stacks["K"]["diag"], stacks["C"]["diag"]]
@@ -338,7 +338,6 @@ class SingdRule(LayerRule):
             interleaved(rows["m_K"], rows["m_C"]),
             sum_outs,
             traces,
-            mean_columns,
             (factors, momenta, a, b),
         )
         # entries of stacks no longer kept go (they would hold the stacks' memory)
@@ -762,7 +761,6 @@ class _StackRows(NamedTuple):
     momenta: list[Tensor]
     sum_outs: list[Tensor]
     traces: list[Tensor]
-    mean_columns: tuple[Tensor, ...]  # the means' columns (L, 1): tr(H_C), tr(H_K)
     # the op's lists in its stacked form (one entry per side: K, then C) but the
     # statistics': the factor stacks, their momenta, a and b
     stacked: tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]

@@ -107,17 +107,17 @@ def _values(statistic):
     return statistic if isinstance(statistic, torch.Tensor) else statistic.parts["diag"]
 
 
-def test_vector_stack_finds_the_stack_of_gathered_rows_only():
-    from singd_cuda.optim.grouped import vector_stack
+def test_gathered_rows_are_found_as_their_stack():
+    """SINGD diagonal's update finds the statistics' stack from their rows
+    (:func:`stack_of_rows`): the gathered stack itself (its storage, shape and strides),
+    and None for rows out of order or tensors that are not views of one."""
+    from singd_cuda.optim.grouped import stack_of_rows
 
     tensors = [torch.randn(5) for _ in range(4)]
     ((_, stack, rows),) = GatheredRows()("x", tensors)
-    assert vector_stack(rows) is stack
-    assert vector_stack(list(stack.unbind())) is stack  # other views of the same rows
-    assert vector_stack(rows[::-1]) is None  # not in order
-    assert vector_stack(rows[:3]) is None  # not every row
-    assert vector_stack(tensors) is None  # not views
-    assert vector_stack([row[:4] for row in rows]) is None  # not whole rows
-    wide = torch.randn(4, 10)
-    assert vector_stack(list(wide[:, ::2].unbind())) is None  # a strided base
-    assert vector_stack([wide[i, :5] for i in range(4)]) is None  # rows of a wider base
+    found = stack_of_rows(rows)
+    assert found.data_ptr() == stack.data_ptr()
+    assert found.shape == stack.shape and found.stride() == stack.stride()
+    assert torch.equal(found, torch.stack(tensors))
+    assert stack_of_rows(rows[::-1]) is None  # not in order
+    assert stack_of_rows(tensors) is None  # not views
