@@ -100,7 +100,8 @@ def stacked_calls(monkeypatch) -> dict[str, int]:
         return matmul(self, X)
 
     def count_diagonal(k, *args, **kwargs):
-        calls["diagonal"] += len(k) > 2  # more than one layer's two sides
+        # more than one layer's two sides: as rows of lists, or as stacked (2-D) entries
+        calls["diagonal"] += len(k) > 2 or any(t.dim() == 2 for t in k)
         return diagonal(k, *args, **kwargs)
 
     monkeypatch.setattr(singd_module, "_stacked_factor_update", count_update)
