@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from itertools import repeat
 from typing import Any, NamedTuple
 
 import torch
@@ -29,7 +28,7 @@ from . import hyperparameters as hp
 from .base import KroneckerOptimizer, checked_fallback
 from .derived import DerivedCache, GroupCache
 from .graft import graft_
-from .grouped import ResidentStacks, positions_by, update_in_stacks
+from .grouped import ResidentStacks, count_up, positions_by, update_in_stacks
 from .rule import LayerRule, scheduled
 from .scale_out import DEFAULT_BUCKET_CAP_MB
 from .write import adam_update_
@@ -590,9 +589,7 @@ class AdaFisherRule(LayerRule):
                 )
                 for i, s, h in zip(part, part_rows, part_cols, strict=True):
                     rows[i], cols[i] = s, h
-        # every count one more, by C calls
-        counts = map((1).__add__, map(_STEP, weight_states))
-        list(map(operator.setitem, weight_states, repeat("step"), counts))
+        count_up(weight_states, "step")
         return rows, cols
 
     def _stacked_scales(self, layers, states: list[dict]) -> tuple[list[Tensor], list[Tensor]]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import operator
 from functools import partial
-from itertools import chain, repeat
+from itertools import chain
 from typing import Any
 
 import torch
@@ -37,6 +37,7 @@ from .factor_memory import warn_large_factors
 from .graft import graft_
 from .grouped import (
     ResidentStacks,
+    count_up,
     interleaved,
     positions_by,
     split_matrices,
@@ -215,11 +216,8 @@ class KfacRule(LayerRule):
             lambda *rest: _ema_each(*rest, group),
         )
         period = group["T_inv"] or 1
-        counts = list(map(_FACTOR_UPDATES, states))
-        inverts = not _inverts_none(counts, states, step, period)
-        # every count one more, by C calls
-        list(map(operator.setitem, states, repeat("factor_updates"), map((1).__add__, counts)))
-        if not inverts:  # (between inversions: no loop over the layers)
+        counts = count_up(states, "factor_updates")
+        if _inverts_none(counts, states, step, period):  # (no loop over the layers)
             return
         due, inverting = [], []  # the states whose inversions are due, and their layers
         for layer, state, count in zip(layers, states, counts, strict=True):

@@ -677,3 +677,11 @@ def test_diagonal_update_lists_go_with_their_stacks():
     assert len(stacks) == len(first) and all(map(rule._resident.holds, stacks))
     assert not any(map(rule._resident.holds, first))
     assert not {id(s) for s in stacks} & {id(s) for s in first}
+
+
+def test_count_up_adds_one_to_every_state_and_returns_the_counts_before():
+    from singd_cuda.optim.grouped import count_up
+
+    states = [{"n": 0}, {"n": 4, "other": 1}]
+    assert count_up(states, "n") == [0, 4]
+    assert states == [{"n": 1}, {"n": 5, "other": 1}]
