@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "../op_checks.h"
+#include "vector_isa.h"
 
 namespace singd {
 namespace {
@@ -74,7 +75,7 @@ bool skip_step(const std::optional<at::Tensor>& found_inf) {
 // tensor (the stochastic-rounding stream is indexed by it).
 template <bool kAdam, bool kMomentum, bool kStochastic, typename P, typename G, typename S,
           typename T>
-void epilogue_loop(P* p, const G* g, S* state, int64_t n, int64_t first, const Epilogue<T> e,
+SINGD_CPU_CLONES void epilogue_loop(P* p, const G* g, S* state, int64_t n, int64_t first, const Epilogue<T> e,
                    uint32_t key) {
   for (int64_t i = 0; i < n; ++i) {
     T s = kMomentum ? static_cast<T>(state[i]) : T(0);
@@ -92,7 +93,7 @@ void epilogue_loop(P* p, const G* g, S* state, int64_t n, int64_t first, const E
 // Rows [lo, hi) of a (rows, cols) parameter on the diagonal path.
 template <bool kAdaFisher, bool kMomentum, bool kStochastic, typename P, typename G, typename S,
           typename T>
-void diag_loop(P* p, const G* g, S* state, const T* row, const T* col, int64_t cols, int64_t lo,
+SINGD_CPU_CLONES void diag_loop(P* p, const G* g, S* state, const T* row, const T* col, int64_t cols, int64_t lo,
                int64_t hi, const Epilogue<T> e, uint32_t key) {
   for (int64_t r = lo; r < hi; ++r) {
     const T rs = row[r];

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "../op_checks.h"
+#include "vector_isa.h"
 
 namespace singd {
 namespace {
@@ -25,7 +26,7 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // sum_i x_i^2 over a contiguous run, in kLanes lanes (vectorisable without reassociation).
 template <typename S, typename T>
-T run_sum_squares(const S* x, int64_t n) {
+SINGD_CPU_CLONES T run_sum_squares(const S* x, int64_t n) {
   T lane[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
@@ -41,6 +42,19 @@ T run_sum_squares(const S* x, int64_t n) {
   T total = T(0);
   for (int64_t l = 0; l < kLanes; ++l) total += lane[l];
   return total;
+}
+
+// block[c] += x[r, c0 + c]^2 for rows r0 <= r < r1, c < w, of x (rows, d) row-major.
+template <typename S, typename T>
+SINGD_CPU_CLONES void add_column_squares(const S* x, int64_t d, int64_t r0, int64_t r1,
+                                         int64_t c0, int64_t w, T* block) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const S* row = x + r * d + c0;
+    for (int64_t c = 0; c < w; ++c) {
+      const T v = static_cast<T>(row[c]);
+      block[c] += v * v;
+    }
+  }
 }
 
 // x (rows, d) row-major: out[c] = sum_r x[r, c]^2. Tasks are (row block, column block);
@@ -62,13 +76,7 @@ void column_sum_squares(const S* x, int64_t rows, int64_t d, T* out) {
       std::fill(total, total + w, T(0));
       for (int64_t r0 = rb * rows_per; r0 < r_end; r0 += kBlockRows) {
         std::fill(block, block + w, T(0));
-        for (int64_t r = r0; r < std::min(r_end, r0 + kBlockRows); ++r) {
-          const S* row = x + r * d + c0;
-          for (int64_t c = 0; c < w; ++c) {
-            const T v = static_cast<T>(row[c]);
-            block[c] += v * v;
-          }
-        }
+        add_column_squares(x, d, r0, std::min(r_end, r0 + kBlockRows), c0, w, block);
         for (int64_t c = 0; c < w; ++c) total[c] += block[c];
       }
       std::copy(total, total + w, partial.data() + rb * d + c0);

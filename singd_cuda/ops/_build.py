@@ -25,7 +25,9 @@ that takes.
 The floating-point contract is off on both sides (``-ffp-contract=off``, nvcc
 ``--fmad=false``, IEEE division and denormals): every multiply and add of
 ``singd_math.h`` rounds once, as in the reference's separate tensor ops, so the fused
-CPU, fused CUDA and reference paths round alike, bit for bit.
+CPU, fused CUDA and reference paths round alike, bit for bit. The CPU library's element
+loops and column sums are built for AVX2 and for baseline x86-64 and the loader picks one
+per CPU (``csrc/cpu/vector_isa.h``); both compute every element by the same operations.
 
 When unset, ``CUDA_HOME`` defaults to the first CUDA toolkit found among ``$CUDA_PATH``,
 ``/usr/local/cuda`` and the toolkit of the ``nvcc`` on ``PATH``, and
