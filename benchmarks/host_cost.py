@@ -1,12 +1,15 @@
 """Host cost of the optimizers: overhead per layer against torch AdamW, and device reads.
 
 Two models, single-threaded (``torch.set_num_threads(1)``), every optimizer interleaved
-round-robin with the plain model (forward + backward, no optimizer, no hooks) in one run,
+with the plain model (forward + backward, no optimizer, no hooks) in one run, in rounds:
 one iteration each per round (the default), or with ``--block N`` one untimed and N timed
-consecutive iterations each per round. One iteration each is the fairest to load drift,
-but each iteration then follows 15 other competitors' and finds the caches and branch
-predictors cold, which costs more the more host code a competitor runs; in training an
-optimizer's step follows its own last one, as in a block:
+consecutive iterations each per round. The order is shuffled every round (a fixed seed),
+so that no competitor always follows the same one: on the mlp the K-FAC rows' step sweeps
+megabytes and leaves the caches cold for whichever comes next (measured: +0.6 ms on the
+next competitor's forward + backward of 5.9 ms). One iteration each is the fairest to load
+drift, but each iteration then follows another competitor's and finds the caches and
+branch predictors cold, which costs more the more host code a competitor runs; in training
+an optimizer's step follows its own last one, as in a block:
 
 - ``tiny``: 64 x (Linear(16, 16) + Tanh), batch 8. The arithmetic is negligible, so the
   overhead is host work: Python and op dispatch per layer, which is what a GPU step pays
@@ -64,6 +67,7 @@ import gc
 import math
 import os
 import platform
+import random
 import shlex
 import statistics
 import sys
@@ -543,7 +547,9 @@ def measure(model_name: str, steps: int, block: int = 1) -> list[dict]:
     for _ in range(3):  # warm-up: first statistics, warm start, the one inversion
         for c in everyone:
             c.iteration(timed=False)
-    for _ in range(math.ceil(steps / block)):  # round-robin: load changes hit all alike
+    order = random.Random(0)
+    for _ in range(math.ceil(steps / block)):  # in rounds: load changes hit all alike
+        order.shuffle(everyone)
         for c in everyone:
             if block > 1:  # the first iteration after another competitor's: untimed
                 c.iteration(timed=False)
@@ -554,8 +560,8 @@ def measure(model_name: str, steps: int, block: int = 1) -> list[dict]:
     rows = []
     for name, c in competitors.items():
         overhead = c.ms() - base
-        # against AdamW's forward + backward (the same hook-free model, timed in the same
-        # position of each round as the others; the plain model runs first and slower)
+        # against AdamW's forward + backward (the same hook-free model, timed in shuffled
+        # positions as the others, not the plain model's)
         capture = c.backward_ms() - adamw_backward
         rows.append(
             {
