@@ -233,6 +233,20 @@ inline ReductionLayout reduction_layout(const at::Tensor& x, int64_t dim) {
   return l;
 }
 
+// The optional `scale` of a statistics reduction whose result has n entries of dtype
+// `dtype` on `device`: a vector of n entries of that dtype and device, multiplied into the
+// result elementwise.
+inline void check_result_scale(const char* op, const std::optional<at::Tensor>& scale,
+                               int64_t n, at::ScalarType dtype, const at::Device& device) {
+  if (!scale.has_value()) return;
+  const at::Tensor& s = *scale;
+  TORCH_CHECK(s.dim() == 1 && s.numel() == n, op, ": scale must be a vector of ", n,
+              " entries (one per result entry), got shape ", s.sizes());
+  TORCH_CHECK(s.scalar_type() == dtype, op, ": scale has dtype ", s.scalar_type(),
+              ", expected the result's ", dtype, " (convert it with .to(", dtype, "))");
+  TORCH_CHECK(s.device() == device, op, ": scale is on ", s.device(), ", expected ", device);
+}
+
 // A Linear layer's input x (..., d) as N = numel / d rows of d, and the scale 1/N (1 when
 // there are no rows) of input_sum_squares.
 struct InputRows {

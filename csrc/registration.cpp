@@ -21,8 +21,9 @@ TORCH_LIBRARY(singd_cuda, m) {
   m.def(
       "diag_factor_update_(Tensor(a!)[] k, Tensor(b!)[] m, Tensor[] h, Tensor[] a, "
       "Tensor[] b, float alpha1, float beta1, float damping) -> ()");
-  m.def("col_sum_squares(Tensor x, int dim=-1) -> Tensor");
-  m.def("input_sum_squares(Tensor x, float weight, bool bias) -> Tensor");
+  m.def("col_sum_squares(Tensor x, int dim=-1, Tensor? scale=None) -> Tensor");
+  m.def(
+      "input_sum_squares(Tensor x, float weight, bool bias, Tensor? scale=None) -> Tensor");
   m.def(
       "conv2d_patch_sum_squares(Tensor x, int[2] kernel_size, int[2] stride, int[2] padding, "
       "int[2] dilation, int groups) -> Tensor");

@@ -101,10 +101,29 @@ void channel_sum_squares(const S* x, int64_t outer, int64_t d, int64_t inner, T*
   });
 }
 
-at::Tensor col_sum_squares_cpu(const at::Tensor& x_in, int64_t dim) {
+// out[c] = out[c] * scale[c]: each product rounded once in T, as a separate multiply by the
+// vector rounds.
+template <typename T>
+SINGD_CPU_CLONES void scale_entries(T* out, const T* scale, int64_t n) {
+  for (int64_t c = 0; c < n; ++c) out[c] = out[c] * scale[c];
+}
+
+template <typename T>
+void apply_scale(const std::optional<at::Tensor>& scale, at::Tensor& out) {
+  if (!scale.has_value()) return;
+  const at::Tensor s = scale->contiguous();
+  scale_entries(out.data_ptr<T>(), s.const_data_ptr<T>(), out.numel());
+}
+
+at::Tensor col_sum_squares_cpu(const at::Tensor& x_in, int64_t dim,
+                               const std::optional<at::Tensor>& scale) {
   const ReductionLayout l = reduction_layout(x_in, dim);
   at::Tensor out = at::zeros({l.d}, x_in.options().dtype(at::toOpMathType(x_in.scalar_type())));
-  if (x_in.numel() == 0) return out;
+  check_result_scale("col_sum_squares", scale, l.d, out.scalar_type(), out.device());
+  if (x_in.numel() == 0) {
+    if (scale.has_value()) out.mul_(*scale);  // (0 * a nan scale entry is a nan)
+    return out;
+  }
   const at::Tensor x = x_in.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, x.scalar_type(), "col_sum_squares", [&] {
@@ -115,27 +134,32 @@ at::Tensor col_sum_squares_cpu(const at::Tensor& x_in, int64_t dim) {
         } else {
           channel_sum_squares(xp, l.outer, l.d, l.inner, out.data_ptr<T>());
         }
+        apply_scale<T>(scale, out);
       });
   return out;
 }
 
 // input_sum_squares: the column sums of x (rows, d), then out[c] = (sum_c * 1/N) * weight and,
-// with a bias, out[d] = (N * 1/N) * weight: every product rounded once in the op-math type, as
-// the reference's separate multiplies by the scalars 1/N and weight round.
-at::Tensor input_sum_squares_cpu(const at::Tensor& x_in, double weight, bool bias) {
+// with a bias, out[d] = (N * 1/N) * weight, then times `scale` if given: every product rounded
+// once in the op-math type, as the reference's separate multiplies by the scalars 1/N and
+// weight and by the vector round.
+at::Tensor input_sum_squares_cpu(const at::Tensor& x_in, double weight, bool bias,
+                                 const std::optional<at::Tensor>& scale) {
   const InputRows r = input_rows(x_in);
   const auto acc_type = at::toOpMathType(x_in.scalar_type());
   at::Tensor out = at::zeros({r.d + (bias ? 1 : 0)}, x_in.options().dtype(acc_type));
+  check_result_scale("input_sum_squares", scale, out.numel(), acc_type, out.device());
   const at::Tensor x = x_in.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, x.scalar_type(), "input_sum_squares", [&] {
         using T = at::opmath_type<scalar_t>;
         T* o = out.data_ptr<T>();
         if (x.numel() > 0) column_sum_squares(x.const_data_ptr<scalar_t>(), r.rows, r.d, o);
-        const T scale = static_cast<T>(r.scale);
+        const T inv_rows = static_cast<T>(r.scale);
         const T w = static_cast<T>(weight);
-        for (int64_t c = 0; c < r.d; ++c) o[c] = o[c] * scale * w;
-        if (bias) o[r.d] = static_cast<T>(static_cast<double>(r.rows)) * scale * w;
+        for (int64_t c = 0; c < r.d; ++c) o[c] = o[c] * inv_rows * w;
+        if (bias) o[r.d] = static_cast<T>(static_cast<double>(r.rows)) * inv_rows * w;
+        apply_scale<T>(scale, out);
       });
   return out;
 }

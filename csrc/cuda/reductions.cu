@@ -110,7 +110,8 @@ bool channels_last_columns(const at::Tensor& x, int64_t dim) {
          x.is_contiguous(at::MemoryFormat::ChannelsLast);
 }
 
-at::Tensor col_sum_squares_cuda(const at::Tensor& x_in, int64_t dim) {
+// The sums of squares of col_sum_squares (without its scale).
+at::Tensor sum_squares_cuda(const at::Tensor& x_in, int64_t dim) {
   const ReductionLayout l = reduction_layout(x_in, dim);
   TORCH_CHECK(x_in.is_cuda(), "col_sum_squares: expected a CUDA tensor");
   const auto acc_type = at::toOpMathType(x_in.scalar_type());
@@ -280,16 +281,35 @@ at::Tensor conv2d_patch_sum_squares_cuda(const at::Tensor& x_in, at::IntArrayRef
   return out;
 }
 
+// col_sum_squares: the sums, then times `scale` if given, as an ATen multiply (each product
+// rounded once, as the reference's).
+at::Tensor col_sum_squares_cuda(const at::Tensor& x, int64_t dim,
+                                const std::optional<at::Tensor>& scale) {
+  const ReductionLayout l = reduction_layout(x, dim);
+  check_result_scale("col_sum_squares", scale, l.d, at::toOpMathType(x.scalar_type()),
+                     x.device());
+  at::Tensor out = sum_squares_cuda(x, dim);
+  if (scale.has_value()) out.mul_(*scale);
+  return out;
+}
+
 // input_sum_squares: col_sum_squares's kernel, then the reference's multiplies by 1/N and the
-// weight and its bias entry, as ATen ops (each product rounded once, as there).
-at::Tensor input_sum_squares_cuda(const at::Tensor& x, double weight, bool bias) {
+// weight and its bias entry, and by `scale` if given, as ATen ops (each product rounded once,
+// as there).
+at::Tensor input_sum_squares_cuda(const at::Tensor& x, double weight, bool bias,
+                                  const std::optional<at::Tensor>& scale) {
   const InputRows r = input_rows(x);
-  at::Tensor h = col_sum_squares_cuda(x, -1);
+  check_result_scale("input_sum_squares", scale, r.d + (bias ? 1 : 0),
+                     at::toOpMathType(x.scalar_type()), x.device());
+  at::Tensor h = sum_squares_cuda(x, -1);
   h.mul_(r.scale).mul_(weight);
-  if (!bias) return h;
-  at::Tensor entry = at::full({1}, static_cast<double>(r.rows), h.options());
-  entry.mul_(r.scale).mul_(weight);
-  return at::cat({h, entry});
+  if (bias) {
+    at::Tensor entry = at::full({1}, static_cast<double>(r.rows), h.options());
+    entry.mul_(r.scale).mul_(weight);
+    h = at::cat({h, entry});
+  }
+  if (scale.has_value()) h.mul_(*scale);
+  return h;
 }
 
 }  // namespace

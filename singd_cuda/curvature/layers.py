@@ -536,49 +536,56 @@ class SquareSums:
         self._reduce = _entry(ops.col_sum_squares_for(self._device_type))
         self._inputs = _entry(ops.input_sum_squares_for(self._device_type))
 
-    def inputs(self, x: Tensor, dtype: torch.dtype, weight: float = 1.0) -> Tensor:
+    def inputs(
+        self, x: Tensor, dtype: torch.dtype, weight: float = 1.0, scale: Tensor | None = None
+    ) -> Tensor:
         """diag(aᵀa) (d_K, the bias entry included) in ``dtype``, a carrying 1/√N, times
-        ``weight``: for the Linear kinds one op (:func:`singd_cuda.ops.input_sum_squares`)
-        when ``dtype`` is the one it sums in."""
+        ``weight`` and then, when given, elementwise times ``scale`` (d_K, ``dtype``): for
+        the Linear kinds one op (:func:`singd_cuda.ops.input_sum_squares`) when ``dtype``
+        is the one it sums in."""
         if x.requires_grad:  # a statistic, outside the graph (detach only what is in one)
             x = x.detach()
         if self._linear:
             if x.device.type != self._device_type:
                 self._resolve(x)
             if dtype is ACCUMULATES_IN.get(x.dtype, x.dtype):  # the dtype the op sums in
-                return self._inputs(x, weight, self._bias)
+                return self._inputs(x, weight, self._bias, scale)
             h, rows = self._reduce(x, -1), x.numel() // max(x.shape[-1], 1)
         else:
             h, rows = self._kind.input_sum_squares(self._module, x)
-        scale = 1.0 / max(rows, 1)
+        inv_rows = 1.0 / max(rows, 1)
         # a no-op .to and a product by exactly 1 still cost a dispatch each: left out
-        h = (h if h.dtype == dtype else h.to(dtype)).mul_(scale)
+        h = (h if h.dtype == dtype else h.to(dtype)).mul_(inv_rows)
         if weight != 1.0:
             h.mul_(weight)
-        if not self._bias:
-            return h
-        # the bias entry, N, through the same two multiplies (so rounded alike), made
-        # once per (N, weight, dtype, device): one op less a call than new_full
-        key = (rows, weight, h.dtype, h.device)
-        entry = self._bias_entries.get(key)
-        if entry is None:
-            if len(self._bias_entries) > 64:  # many batch sizes: start over
-                self._bias_entries.clear()
-            entry = h.new_full((1,), float(rows)).mul_(scale).mul_(weight)
-            self._bias_entries[key] = entry
-        return torch.cat([h, entry])
+        if self._bias:
+            # the bias entry, N, through the same two multiplies (so rounded alike), made
+            # once per (N, weight, dtype, device): one op less a call than new_full
+            key = (rows, weight, h.dtype, h.device)
+            entry = self._bias_entries.get(key)
+            if entry is None:
+                if len(self._bias_entries) > 64:  # many batch sizes: start over
+                    self._bias_entries.clear()
+                entry = h.new_full((1,), float(rows)).mul_(inv_rows).mul_(weight)
+                self._bias_entries[key] = entry
+            h = torch.cat([h, entry])
+        return h if scale is None else h.mul_(scale)
 
-    def outputs(self, grad: Tensor, dtype: torch.dtype) -> Tensor:
-        """diag(gᵀg) (d_C) of the raw output gradient, in ``dtype``."""
+    def outputs(self, grad: Tensor, dtype: torch.dtype, scale: Tensor | None = None) -> Tensor:
+        """diag(gᵀg) (d_C) of the raw output gradient, in ``dtype``, elementwise times
+        ``scale`` (d_C, ``dtype``) when given."""
         if grad.requires_grad:  # backward(create_graph=True)
             grad = grad.detach()
         if self._linear:
             if grad.device.type != self._device_type:
                 self._resolve(grad)
+            if dtype is ACCUMULATES_IN.get(grad.dtype, grad.dtype):  # the dtype the op sums in
+                return self._reduce(grad, -1, scale)
             s = self._reduce(grad, -1)
         else:
             s = self._kind.output_sum_squares(self._module, grad)
-        return s if s.dtype == dtype else s.to(dtype)
+        s = s if s.dtype == dtype else s.to(dtype)
+        return s if scale is None else s.mul_(scale)
 
 
 def _entry(op: Callable) -> Callable:

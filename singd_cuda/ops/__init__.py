@@ -342,20 +342,23 @@ def diag_factor_update_(
         reference.diag_factor_update_(k, m, h, a, b, alpha1=alpha1, beta1=beta1, damping=damping)
 
 
-def col_sum_squares(x: Tensor, dim: int = -1) -> Tensor:
+def col_sum_squares(x: Tensor, dim: int = -1, scale: Tensor | None = None) -> Tensor:
     """Sum of x² over every dimension except ``dim``, in one pass.
 
     For x of shape (N, d) and ``dim=-1`` this is diag(xᵀx), the column sums of squares;
     for a conv output gradient (B, C, H, W) and ``dim=1`` the per-channel sums. Any
     floating input dtype; the result has shape (x.shape[dim],) and dtype float32 (float64
-    for float64 input), accumulated in that dtype. A statistic: not differentiable.
+    for float64 input), accumulated in that dtype. ``scale``: a vector of the result's
+    shape, dtype and device multiplied into it, each product rounded once as a separate
+    ``mul_`` rounds (SINGD's diagonal statistics c² ⊙ diag(gᵀg) in the same op). A
+    statistic: not differentiable.
     """
     if _fused_for(x.device.type):
-        return torch.ops.singd_cuda.col_sum_squares(x, dim)
-    return reference.col_sum_squares(x, dim)
+        return torch.ops.singd_cuda.col_sum_squares(x, dim, scale)
+    return reference.col_sum_squares(x, dim, scale)
 
 
-def col_sum_squares_for(device_type: str) -> Callable[[Tensor, int], Tensor]:
+def col_sum_squares_for(device_type: str) -> Callable[..., Tensor]:
     """:func:`col_sum_squares` for tensors on ``device_type``, resolved once: the fused
     op or the reference, as ``SINGD_CUDA_FUSED`` says now. For callers that reduce on
     every layer call (the curvature capture), which then read no environment per call."""
@@ -364,21 +367,25 @@ def col_sum_squares_for(device_type: str) -> Callable[[Tensor, int], Tensor]:
     return reference.col_sum_squares
 
 
-def input_sum_squares(x: Tensor, weight: float = 1.0, bias: bool = False) -> Tensor:
+def input_sum_squares(
+    x: Tensor, weight: float = 1.0, bias: bool = False, scale: Tensor | None = None
+) -> Tensor:
     """diag(aᵀa)·w of a Linear layer's input rows a = [x, 1] / √N, in one op.
 
     x (..., d), any floating dtype, taken as N = numel / d rows of d. The result is
     (d,) (d + 1 with ``bias``: the bias column's entry last), float32 (float64 for float64
     input): ``col_sum_squares(x, -1)`` multiplied by 1/N (1 when N = 0) and then by
     ``weight``, each product rounded once as a separate multiply by that scalar rounds,
-    and the bias entry N, multiplied alike. A statistic: not differentiable.
+    and the bias entry N, multiplied alike; then, when given, by ``scale`` (a vector of
+    the result's shape, dtype and device) as a separate ``mul_`` would. A statistic: not
+    differentiable.
     """
     if _fused_for(x.device.type):
-        return torch.ops.singd_cuda.input_sum_squares(x, weight, bias)
-    return reference.input_sum_squares(x, weight, bias)
+        return torch.ops.singd_cuda.input_sum_squares(x, weight, bias, scale)
+    return reference.input_sum_squares(x, weight, bias, scale)
 
 
-def input_sum_squares_for(device_type: str) -> Callable[[Tensor, float, bool], Tensor]:
+def input_sum_squares_for(device_type: str) -> Callable[..., Tensor]:
     """:func:`input_sum_squares` for tensors on ``device_type``, resolved once (as
     :func:`col_sum_squares_for`)."""
     if _fused_for(device_type):

@@ -80,12 +80,12 @@ def _diag_factor_update(k, m, h, a, b, alpha1, beta1, damping) -> None:
 
 
 @torch.library.register_fake("singd_cuda::col_sum_squares")
-def _col_sum_squares(x: Tensor, dim: int = -1) -> Tensor:
+def _col_sum_squares(x: Tensor, dim: int = -1, scale: Tensor | None = None) -> Tensor:
     return x.new_empty((x.shape[dim],), dtype=_opmath(x.dtype))
 
 
 @torch.library.register_fake("singd_cuda::input_sum_squares")
-def _input_sum_squares(x: Tensor, weight: float, bias: bool) -> Tensor:
+def _input_sum_squares(x: Tensor, weight: float, bias: bool, scale: Tensor | None = None) -> Tensor:
     return x.new_empty((x.shape[-1] + bias,), dtype=_opmath(x.dtype))
 
 

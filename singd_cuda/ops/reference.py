@@ -215,19 +215,22 @@ def diag_factor_update_(
         k_i.copy_(kf * (1 - beta1 * m_new))
 
 
-def col_sum_squares(x: Tensor, dim: int = -1) -> Tensor:
+def col_sum_squares(x: Tensor, dim: int = -1, scale: Tensor | None = None) -> Tensor:
     xf = x.to(_opmath(x.dtype))
     dims = [d for d in range(x.dim()) if d != dim % x.dim()]
-    return xf.square().sum(dims) if dims else xf.square()
+    out = xf.square().sum(dims) if dims else xf.square()
+    return out if scale is None else out.mul_(scale)
 
 
-def input_sum_squares(x: Tensor, weight: float = 1.0, bias: bool = False) -> Tensor:
+def input_sum_squares(
+    x: Tensor, weight: float = 1.0, bias: bool = False, scale: Tensor | None = None
+) -> Tensor:
     rows = x.numel() // max(x.shape[-1], 1)
-    scale = 1.0 / max(rows, 1)
-    h = col_sum_squares(x, -1).mul_(scale).mul_(weight)
-    if not bias:
-        return h
-    return torch.cat([h, h.new_full((1,), float(rows)).mul_(scale).mul_(weight)])
+    inv_rows = 1.0 / max(rows, 1)
+    h = col_sum_squares(x, -1).mul_(inv_rows).mul_(weight)
+    if bias:
+        h = torch.cat([h, h.new_full((1,), float(rows)).mul_(inv_rows).mul_(weight)])
+    return h if scale is None else h.mul_(scale)
 
 
 def conv2d_patch_sum_squares(

@@ -29,7 +29,7 @@ from .base import KroneckerOptimizer, checked_fallback
 from .derived import DerivedCache, GroupCache
 from .graft import graft_
 from .grouped import ResidentStacks, count_up, positions_by, update_in_stacks
-from .rule import LayerRule, scheduled
+from .rule import LayerRule, add_statistics, scheduled
 from .scale_out import DEFAULT_BUCKET_CAP_MB
 from .write import adam_update_
 
@@ -428,11 +428,13 @@ class AdaFisherRule(LayerRule):
         return True
 
     def accumulate_diagonal(self, layer, group, state, pending, h_new, s_new) -> None:
-        if "in" in pending:
-            pending["in"].add_(h_new)
-            pending["out"].add_(s_new)
-        else:
-            pending["in"], pending["out"] = h_new, s_new
+        add_statistics(pending, h_new, s_new)
+
+    def accumulate_diagonal_sums(
+        self, layer, group, state, pending, sums, layer_input, grad_output, dtype, weight
+    ) -> None:
+        h_new = sums.inputs(layer_input, dtype, weight)
+        add_statistics(pending, h_new, sums.outputs(grad_output, dtype))
 
     def factor_structures(self, group: dict) -> tuple[str, str]:
         return (ADAFISHER, ADAFISHER)

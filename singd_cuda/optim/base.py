@@ -391,8 +391,8 @@ class KroneckerOptimizer(Optimizer):
         once and kept while the group, its ``structures`` and ``kfac_approx``, the
         weight's dtype and the optimizer's state are the same objects (the rules decide
         ``rule_for`` and ``diagonal_statistics`` from ``structures``): then a call takes
-        a and g (or their two square sums) and the rule's ``accumulate`` (or
-        ``accumulate_diagonal``) only."""
+        a and g and the rule's ``accumulate``, or the rule's ``accumulate_diagonal_sums``,
+        only."""
         plan = self._statistics_plans.get(layer)
         if plan is not None and with_input:
             group, structures, kfac_approx, weight_dtype, states, state, rule, dtype, reader = plan
@@ -408,9 +408,9 @@ class KroneckerOptimizer(Optimizer):
                     g = reader.outputs(grad_output, dtype)
                     rule.accumulate(layer, group, state, into, a, g)
                     return True
-                h = reader.inputs(layer_input, dtype, weight)
-                s = reader.outputs(grad_output, dtype)
-                rule.accumulate_diagonal(layer, group, state, into, h, s)
+                rule.accumulate_diagonal_sums(
+                    layer, group, state, into, reader, layer_input, grad_output, dtype, weight
+                )
                 return True
         group = self.param_groups[self._layer_group[layer]]
         dtype = accumulation_dtype(layer.weight.dtype)

@@ -346,6 +346,28 @@ def stack_of_rows(rows: Sequence[Tensor]) -> Tensor | None:
     return base.as_strided((len(rows), *first.shape), (pitch, *first.stride()), start)
 
 
+class KnownStacks:
+    """:func:`stack_of_rows`, answering a call with the same row tensors (the same
+    objects, in order) as one of its last calls by identity: one C-level comparison
+    instead of the layout checks (about 1 against 22 µs for 64 rows). The library never
+    changes a row's metadata in place, so the same objects lie where they lay. Keeps at
+    most ``size`` answers (their rows, so that an id is not reused while kept)."""
+
+    def __init__(self, size: int = 16) -> None:
+        self._size = size
+        self._known: dict[int, tuple[list[Tensor], Tensor | None]] = {}
+
+    def __call__(self, rows: Sequence[Tensor]) -> Tensor | None:
+        known = self._known.get(id(rows[0]))
+        if known is not None and len(known[0]) == len(rows) and all(map(is_, rows, known[0])):
+            return known[1]
+        stack = stack_of_rows(rows)
+        if len(self._known) >= self._size:  # (rows of many groups: start over)
+            self._known.clear()
+        self._known[id(rows[0])] = (list(rows), stack)
+        return stack
+
+
 def stacked_gradients(
     layers: Sequence[Layer], dtype: torch.dtype, start: int = 0, inv_scale: Tensor | None = None
 ) -> Tensor:

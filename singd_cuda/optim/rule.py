@@ -18,9 +18,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable
 
+import torch
 from torch import Tensor
 
-from ..curvature.layers import Layer, gradient_matrix, split_matrix
+from ..curvature.layers import Layer, SquareSums, gradient_matrix, split_matrix
 from ..structures.base import accumulation_dtype
 from .write import sgd_update_
 
@@ -123,6 +124,25 @@ class LayerRule(ABC):
     ) -> None:
         """Like :meth:`accumulate`, from h = diag(aᵀa) (d_K) and s = diag(gᵀg) (d_C)."""
         raise NotImplementedError
+
+    def accumulate_diagonal_sums(
+        self,
+        layer: Layer,
+        group: dict,
+        state: dict,
+        pending: dict,
+        sums: SquareSums,
+        layer_input: Tensor,
+        grad_output: Tensor,
+        dtype: torch.dtype,
+        weight: float,
+    ) -> None:
+        """:meth:`accumulate_diagonal` of one layer call, h and s taken by the layer's
+        ``sums`` (:class:`~singd_cuda.curvature.layers.SquareSums`) from its input (with
+        the call's ``weight``) and raw output gradient, in ``dtype``. A rule that
+        multiplies them elementwise may fold that into the two reductions instead."""
+        h = sums.inputs(layer_input, dtype, weight)
+        self.accumulate_diagonal(layer, group, state, pending, h, sums.outputs(grad_output, dtype))
 
     def fuses_apply(self, group: dict) -> bool:
         """True when :meth:`apply_many` updates the group's layers (in one fused pass)."""
@@ -227,3 +247,13 @@ class LayerRule(ABC):
     ) -> None:
         """Momentum SGD with weight decay on the shard's parameters along its rows of Ĝ."""
         sgd_update_(shard.params, split_matrix(shard, natural), states, group, seed)
+
+
+def add_statistics(pending: dict, H_in, H_out) -> None:
+    """Add one call's statistics of the two sides to a layer's ``pending`` ({"in": H_in,
+    "out": H_out}, set by its first call; later calls add in place)."""
+    if "in" in pending:
+        pending["in"].add_(H_in)
+        pending["out"].add_(H_out)
+    else:
+        pending["in"], pending["out"] = H_in, H_out

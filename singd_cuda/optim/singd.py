@@ -30,16 +30,16 @@ from .derived import DerivedCache, GroupCache
 from .factor_memory import warn_large_factors
 from .graft import graft_
 from .grouped import (
+    KnownStacks,
     ResidentStacks,
     StackedProduct,
     StackedSums,
     interleaved,
     split_matrices,
-    stack_of_rows,
     stack_parts,
     stacked_gradients,
 )
-from .rule import LayerRule, scheduled
+from .rule import LayerRule, add_statistics, scheduled
 from .scale_out import DEFAULT_BUCKET_CAP_MB
 from .write import sgd_update_
 
@@ -87,6 +87,7 @@ class SingdRule(LayerRule):
         self._views = DiagonalViews()  # diagonal path: the parameters' views, between steps
         self._kept = KeptBatch()  # diagonal path: the last batch's lists, between steps
         self._traces, self._means = StackedSums(), StackedSums()  # diagonal path: their sums
+        self._statistics_stacks = KnownStacks()  # diagonal path: the statistics' stacks
         # diagonal path: id of kept stacks -> (the stacks, their squares, their _StackRows)
         self._stack_rows: dict[int, tuple[dict, _StackedSquares | None, _StackRows]] = {}
 
@@ -137,12 +138,7 @@ class SingdRule(LayerRule):
         S_K, S_C = self._classes(group)  # K and C alone (not _factors: the momenta too)
         K = S_K.from_parts(layer.dim_in, state["K"])
         C = S_C.from_parts(layer.dim_out, state["C"])
-        H_K, H_C = K.gram_of_product(a), C.gram_of_product(g)
-        if "in" in pending:
-            pending["in"].add_(H_K)
-            pending["out"].add_(H_C)
-        else:
-            pending["in"], pending["out"] = H_K, H_C
+        add_statistics(pending, K.gram_of_product(a), C.gram_of_product(g))
 
     def factor_structures(self, group: dict) -> tuple[str, str]:
         return group["structures"]
@@ -158,19 +154,25 @@ class SingdRule(LayerRule):
     def accumulate_diagonal(self, layer, group, state, pending, h: Tensor, s: Tensor) -> None:
         """H_K = k² ⊙ diag(aᵀa), H_C = c² ⊙ diag(gᵀg): Π̂(Kᵀ aᵀa K) for diagonal K."""
         squares = self._squares.get(layer, (state["C"]["diag"], state["K"]["diag"]), _squares)
-        # Diagonal(d, diag=...) without its __init__ (which checks the part names: two
-        # Python calls a matrix, on every layer call)
-        H_K, H_C = object.__new__(Diagonal), object.__new__(Diagonal)
         k2, c2 = squares.k2, squares.c2
         if k2.dtype is not h.dtype or c2.dtype is not s.dtype:  # (a no-op .to costs a call)
             k2, c2 = k2.to(h.dtype), c2.to(s.dtype)
-        H_K.dim, H_K.parts = h.shape[0], {"diag": h.mul_(k2)}  # d_K
-        H_C.dim, H_C.parts = s.shape[0], {"diag": s.mul_(c2)}  # d_C
-        if "in" in pending:
-            pending["in"].add_(H_K)
-            pending["out"].add_(H_C)
-        else:
-            pending["in"], pending["out"] = H_K, H_C
+        _add_diagonals(pending, h.mul_(k2), s.mul_(c2))
+
+    def accumulate_diagonal_sums(
+        self, layer, group, state, pending, sums, layer_input, grad_output, dtype, weight
+    ) -> None:
+        """:meth:`accumulate_diagonal` with k² and c² multiplied in by the reductions
+        themselves (bitwise the same products, two ops fewer)."""
+        squares = self._squares.get(layer, (state["C"]["diag"], state["K"]["diag"]), _squares)
+        k2, c2 = squares.k2, squares.c2
+        if k2.dtype is not dtype or c2.dtype is not dtype:
+            super().accumulate_diagonal_sums(
+                layer, group, state, pending, sums, layer_input, grad_output, dtype, weight
+            )
+            return
+        h = sums.inputs(layer_input, dtype, weight, k2)
+        _add_diagonals(pending, h, sums.outputs(grad_output, dtype, c2))
 
     def fuses_apply(self, group: dict) -> bool:
         return True
@@ -278,7 +280,7 @@ class SingdRule(LayerRule):
         ``stacks``, with the lists of rows the op takes kept with the stacks and their
         squares (a warm call builds the statistics' lists alone, by C calls); the scaling
         of the means is one multiply of their stack. On the CPU, where the statistics are
-        the rows of the step's gathered stacks (:func:`~.grouped.stack_of_rows`), their sums
+        the rows of the step's gathered stacks (:class:`~.grouped.KnownStacks`), their sums
         are one row sum per side and the op takes each side as one stacked entry. False
         (nothing done) for a single layer."""
         if len(layers) < 2:
@@ -296,7 +298,7 @@ class SingdRule(LayerRule):
         # the layers' order), on the CPU: the op then takes each side as one stack
         h_stacks = None
         if K.device.type == "cpu":
-            h_stacks = (stack_of_rows(h_K), stack_of_rows(h_C))
+            h_stacks = (self._statistics_stacks(h_K), self._statistics_stacks(h_C))
             if h_stacks[0] is None or h_stacks[1] is None:
                 h_stacks = None
         if squares is not None:
@@ -377,12 +379,7 @@ class SingdRule(LayerRule):
         """K-free statistics Π̂(aᵀa), Π̂(gᵀg) (dense Gram for structures that need it);
         H_K = Π̂(Kᵀ aᵀa K) is linear in aᵀa, so the owner applies K after averaging."""
         S_K, S_C = self._classes(group)
-        M_K, M_C = shared_statistic(S_K, a), shared_statistic(S_C, g)
-        if "in" in pending:
-            pending["in"].add_(M_K)
-            pending["out"].add_(M_C)
-        else:
-            pending["in"], pending["out"] = M_K, M_C
+        add_statistics(pending, shared_statistic(S_K, a), shared_statistic(S_C, g))
 
     def finish_shared(self, layer, group, state, pending) -> None:
         f = self._factors(layer, group, state)
@@ -691,6 +688,17 @@ class DiagonalSquares(NamedTuple):
     rounded: tuple[Tensor, Tensor] | None
     trace_parts: tuple[Tensor, Tensor]
     mean_parts: tuple[Tensor, Tensor]
+
+
+def _add_diagonals(pending: dict, h: Tensor, s: Tensor) -> None:
+    """Add H_K = Diagonal(h) (d_K) and H_C = Diagonal(s) (d_C) to a layer's ``pending``
+    statistics ({"in": H_K, "out": H_C}, set by the first call)."""
+    # Diagonal(d, diag=...) without its __init__ (which checks the part names: two
+    # Python calls a matrix, on every layer call)
+    H_K, H_C = object.__new__(Diagonal), object.__new__(Diagonal)
+    H_K.dim, H_K.parts = h.shape[0], {"diag": h}
+    H_C.dim, H_C.parts = s.shape[0], {"diag": s}
+    add_statistics(pending, H_K, H_C)
 
 
 def _squares(c: Tensor, k: Tensor, out: DiagonalSquares | None = None) -> DiagonalSquares:

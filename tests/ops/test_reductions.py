@@ -82,6 +82,44 @@ def test_input_sum_squares(device, gen, dtype, case, layout, bias):
     torch.testing.assert_close(out, expected, rtol=RTOL[dtype], atol=0)
 
 
+@pytest.mark.parametrize("case", [((8, 16), -1), ((257, 33), -1), ((3, 5, 4, 6), 1), ((0, 5), -1)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scale_is_a_separate_multiply(device, gen, dtype, case):
+    """``scale`` multiplies the result as a separate ``mul_`` by that vector would, bit for
+    bit, in both ops and in the reference (SINGD's diagonal capture folds c² and k² in)."""
+    shape, dim = case
+    x = make(shape, dtype, device, gen, "contiguous")
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    scale = torch.rand(shape[dim], dtype=acc, device=device, generator=None) + 0.5
+    ops = torch.ops.singd_cuda
+    scaled = ops.col_sum_squares(x, dim, scale)
+    assert torch.equal(scaled, ops.col_sum_squares(x, dim).mul_(scale))
+    assert torch.equal(
+        reference.col_sum_squares(x, dim, scale), reference.col_sum_squares(x, dim).mul_(scale)
+    )
+    if dim != -1:
+        return
+    for bias in (False, True):
+        scale = torch.rand(shape[-1] + bias, dtype=acc, device=device) + 0.5
+        scaled = ops.input_sum_squares(x, 3.0, bias, scale)
+        assert torch.equal(scaled, ops.input_sum_squares(x, 3.0, bias).mul_(scale))
+        expected = reference.input_sum_squares(x, 3.0, bias).mul_(scale)
+        assert torch.equal(reference.input_sum_squares(x, 3.0, bias, scale), expected)
+
+
+def test_a_scale_that_does_not_fit_is_refused(cpu_ops):
+    x = torch.randn(4, 3)
+    ops = torch.ops.singd_cuda
+    with pytest.raises(RuntimeError, match=r"scale has dtype Double.*convert it with \.to"):
+        ops.col_sum_squares(x, -1, torch.ones(3, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="scale must be a vector of 3 entries"):
+        ops.col_sum_squares(x, -1, torch.ones(4))
+    with pytest.raises(RuntimeError, match="scale must be a vector of 4 entries"):
+        ops.input_sum_squares(x, 1.0, True, torch.ones(3))
+    with pytest.raises(RuntimeError, match="scale must be a vector of 3 entries"):
+        ops.input_sum_squares(x, 1.0, False, torch.ones(1, 3))
+
+
 # (B, C, H, W), kernel_size, stride, padding, dilation, groups
 CONV_CASES = [
     ((2, 3, 8, 8), (3, 3), (1, 1), (1, 1), (1, 1), 1),

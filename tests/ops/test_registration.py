@@ -108,7 +108,7 @@ def test_wrappers_take_the_fused_path(cpu_ops, monkeypatch):
 def test_env_switch_forces_the_reference(cpu_ops, monkeypatch):
     calls = []
     monkeypatch.setenv("SINGD_CUDA_FUSED", "0")
-    monkeypatch.setattr(reference, "col_sum_squares", lambda x, dim: calls.append(dim))
+    monkeypatch.setattr(reference, "col_sum_squares", lambda x, dim, scale: calls.append(dim))
     ops.col_sum_squares(torch.ones(3, 2), dim=0)
     assert calls == [0]
     assert not ops.fused_available("cpu")

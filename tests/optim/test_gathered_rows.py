@@ -121,3 +121,22 @@ def test_gathered_rows_are_found_as_their_stack():
     assert torch.equal(found, torch.stack(tensors))
     assert stack_of_rows(rows[::-1]) is None  # not in order
     assert stack_of_rows(tensors) is None  # not views
+
+
+def test_known_stacks_answer_the_same_rows_by_identity():
+    """:class:`KnownStacks` answers as :func:`stack_of_rows` does, a second call with the
+    same row objects from what it kept, and other rows (or more of them) afresh."""
+    from singd_cuda.optim.grouped import KnownStacks, stack_of_rows
+
+    tensors = [torch.randn(5) for _ in range(4)]
+    ((_, stack, rows),) = GatheredRows()("x", tensors)
+    known = KnownStacks(size=2)
+    first = known(rows)
+    assert first.data_ptr() == stack.data_ptr() and torch.equal(first, stack)
+    assert known(list(rows)) is first  # the same objects: the kept answer
+    assert known(rows[:2]).shape == (2, 5)  # fewer rows: found afresh
+    assert known(rows[::-1]) is None and stack_of_rows(rows[::-1]) is None
+    other = [torch.randn(5) for _ in range(3)]
+    assert known(other) is None  # not views (and the kept answers start over)
+    again = known(rows)
+    assert again is not first and torch.equal(again, stack)

@@ -13,6 +13,7 @@ from torch import nn
 
 from singd_cuda.curvature.layers import (
     Layer,
+    SquareSums,
     grad_output_matrix,
     gradient_matrix,
     input_matrix,
@@ -109,6 +110,36 @@ def test_conv_sums_of_squares_are_the_patch_gram_diagonal(cls, conv, shape, grou
     torch.testing.assert_close(
         input_sum_squares(layer, x, torch.float64), (a * a).sum(0), rtol=1e-12, atol=1e-14
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize(
+    ("make", "shape"),
+    [
+        (lambda b: nn.Linear(5, 3, bias=b), (4, 5)),
+        (lambda b: nn.Linear(5, 3, bias=b), (2, 4, 5)),
+        (lambda b: nn.Conv2d(2, 3, 3, bias=b), (2, 2, 5, 4)),
+    ],
+    ids=["linear", "linear-3d", "conv2d"],
+)
+def test_square_sums_scale_is_a_separate_multiply(make, shape, bias, dtype):
+    """SquareSums' ``scale`` (SINGD diagonal's k² and c², folded into the reductions)
+    gives bitwise the unscaled sums times it: through the fused ops (float32 input summed
+    in float32), after a conversion (float32 input, float64 statistics) and on the conv
+    path."""
+    torch.manual_seed(0)
+    module = make(bias)
+    layer = Layer("layer", module, module.weight, module.bias)
+    sums = SquareSums(layer)
+    x = torch.randn(*shape)
+    g = module(x).detach().normal_()
+    k2 = torch.rand(layer.dim_in, dtype=dtype) + 0.5
+    c2 = torch.rand(layer.dim_out, dtype=dtype) + 0.5
+    for weight in (1.0, 0.3):
+        expected = sums.inputs(x, dtype, weight).mul_(k2)
+        assert torch.equal(sums.inputs(x, dtype, weight, k2), expected)
+    assert torch.equal(sums.outputs(g, dtype, c2), sums.outputs(g, dtype).mul_(c2))
 
 
 @pytest.mark.parametrize("weight", [1.0, 0.3])
