@@ -75,8 +75,8 @@ bool skip_step(const std::optional<at::Tensor>& found_inf) {
 // tensor (the stochastic-rounding stream is indexed by it).
 template <bool kAdam, bool kMomentum, bool kStochastic, typename P, typename G, typename S,
           typename T>
-SINGD_CPU_CLONES void epilogue_loop(P* p, const G* g, S* state, int64_t n, int64_t first, const Epilogue<T> e,
-                   uint32_t key) {
+SINGD_CPU_CLONES void epilogue_loop(P* p, const G* g, S* state, int64_t n, int64_t first,
+                                    const Epilogue<T> e, uint32_t key) {
   for (int64_t i = 0; i < n; ++i) {
     T s = kMomentum ? static_cast<T>(state[i]) : T(0);
     T np;
@@ -93,8 +93,9 @@ SINGD_CPU_CLONES void epilogue_loop(P* p, const G* g, S* state, int64_t n, int64
 // Rows [lo, hi) of a (rows, cols) parameter on the diagonal path.
 template <bool kAdaFisher, bool kMomentum, bool kStochastic, typename P, typename G, typename S,
           typename T>
-SINGD_CPU_CLONES void diag_loop(P* p, const G* g, S* state, const T* row, const T* col, int64_t cols, int64_t lo,
-               int64_t hi, const Epilogue<T> e, uint32_t key) {
+SINGD_CPU_CLONES void diag_loop(P* p, const G* g, S* state, const T* row, const T* col,
+                                int64_t cols, int64_t lo, int64_t hi, const Epilogue<T> e,
+                                uint32_t key) {
   for (int64_t r = lo; r < hi; ++r) {
     const T rs = row[r];
     const int64_t base = r * cols;
