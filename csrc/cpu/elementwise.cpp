@@ -50,17 +50,18 @@ double value_or_one(const std::optional<at::Tensor>& t) {
   return t.has_value() ? t->item<double>() : 1.0;
 }
 
-// item<double>() of a one-element floating CPU tensor, read through its data pointer for
-// float32 and float64 (the same conversion, without a dispatcher call: two per factor and
-// call of diag_factor_update_).
-double cpu_value(const at::Tensor& t) {
+// Element i of a floating CPU tensor as item<double>() reads it (i = 0: its one element;
+// else along its one dimension), through the data pointer for float32 and float64: no
+// dispatcher call (two per factor and call of diag_factor_update_).
+double cpu_value(const at::Tensor& t, int64_t i = 0) {
+  const int64_t offset = i == 0 ? 0 : i * t.stride(0);
   switch (t.scalar_type()) {
     case at::kFloat:
-      return static_cast<double>(*t.const_data_ptr<float>());
+      return static_cast<double>(t.const_data_ptr<float>()[offset]);
     case at::kDouble:
-      return *t.const_data_ptr<double>();
+      return t.const_data_ptr<double>()[offset];
     default:
-      return t.item<double>();
+      return i == 0 ? t.item<double>() : t[i].item<double>();
   }
 }
 
@@ -313,16 +314,7 @@ bool stacked_factor(const at::Tensor& k, at::TensorList a, at::TensorList b, siz
 // item<double>() would read each.
 void append_values(const at::Tensor& t, std::vector<double>& out) {
   const at::Tensor flat = t.dim() == 1 ? t : t.reshape({-1});
-  const int64_t stride = flat.stride(0);
-  for (int64_t r = 0; r < flat.numel(); ++r) {
-    if (flat.scalar_type() == at::kFloat) {
-      out.push_back(static_cast<double>(flat.const_data_ptr<float>()[r * stride]));
-    } else if (flat.scalar_type() == at::kDouble) {
-      out.push_back(flat.const_data_ptr<double>()[r * stride]);
-    } else {
-      out.push_back(flat[r].item<double>());
-    }
-  }
+  for (int64_t r = 0; r < flat.numel(); ++r) out.push_back(cpu_value(flat, r));
 }
 
 // The a (or b) values of factor i into `out`: one per row of a stacked factor, and

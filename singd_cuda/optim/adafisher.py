@@ -430,12 +430,6 @@ class AdaFisherRule(LayerRule):
     def accumulate_diagonal(self, layer, group, state, pending, h_new, s_new) -> None:
         add_statistics(pending, h_new, s_new)
 
-    def accumulate_diagonal_sums(
-        self, layer, group, state, pending, sums, layer_input, grad_output, dtype, weight
-    ) -> None:
-        h_new = sums.inputs(layer_input, dtype, weight)
-        add_statistics(pending, h_new, sums.outputs(grad_output, dtype))
-
     def factor_structures(self, group: dict) -> tuple[str, str]:
         return (ADAFISHER, ADAFISHER)
 
