@@ -411,6 +411,12 @@ class AdaFisherRule(LayerRule):
         self._views = DiagonalViews()  # the parameters' views, between steps
         self._kept = KeptBatch()  # the last batch's lists, between steps
 
+    def open_step(self) -> None:
+        self._resident.open_step()
+
+    def close_step(self) -> None:
+        self._resident.close_step()
+
     def init_state(self, layer: Layer, group: dict, state: dict) -> None:
         dtype = group["factor_dtype"] or layer.weight.dtype
         device = layer.weight.device

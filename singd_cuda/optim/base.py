@@ -570,7 +570,7 @@ class KroneckerOptimizer(Optimizer):
             if self._sync is None and not any(with_gradients):
                 return loss  # as torch.optim: no gradient, no step (nothing changes)
             stepping = True
-            self._step(with_gradients)
+            self._step_within_rules(with_gradients)
         except BaseException:
             if stepping:  # a refused edit keeps the statistics for the next try
                 self._skip("")
@@ -615,6 +615,17 @@ class KroneckerOptimizer(Optimizer):
                 )
             found.append(bool(with_grad))
         return found
+
+    def _step_within_rules(self, with_gradients: list[bool]) -> None:
+        """:meth:`_step` between the open_step and close_step of every rule it uses."""
+        rules = list({id(rule): rule for rule in map(self.rule_for, self.param_groups)}.values())
+        for rule in rules:
+            rule.open_step()
+        try:
+            self._step(with_gradients)
+        finally:
+            for rule in rules:
+                rule.close_step()
 
     def _step(self, with_gradients: list[bool]) -> None:
         """One step; ``with_gradients``: per group, whether it has a gradient."""

@@ -212,6 +212,11 @@ class ResidentStacks:
     the replaced tensors. A layer belongs to the stacks of its last call only: the stacks
     kept for other calls with one of its layers are let go then (after a load, the
     replaced stacks are held until the next call for their layers).
+
+    Within one optimizer step (between :meth:`open_step` and :meth:`close_step`) a layout
+    found whole is trusted for the rest of the step: only the optimizer's own code runs
+    there, and it replaces the entries under ``keys`` by :meth:`of` alone, so a later
+    call for the same layers and state dicts skips the walk over the entries.
     """
 
     def __init__(self, keys: tuple[str, ...], named: bool) -> None:
@@ -221,6 +226,17 @@ class ResidentStacks:
         self._kept: dict[int, tuple[list, list[tuple], dict]] = {}
         # id of a kept stack -> (the stack, the buffer of gathered())
         self._scratch: dict[int, tuple[Tensor, Tensor]] = {}
+        # in a step: id of the first layer -> (the states found to hold the rows, stacks)
+        self._trusted: dict[int, tuple[list, dict]] | None = None
+
+    def open_step(self) -> None:
+        """A step starts: layouts found whole from here on are trusted until
+        :meth:`close_step`."""
+        self._trusted = {}
+
+    def close_step(self) -> None:
+        """The step ended (or raised): every call checks the entries again."""
+        self._trusted = None
 
     def kept(self, layers: Sequence, states: Sequence[dict]) -> dict | None:
         """The stacks of :meth:`of` when they are kept for exactly ``layers`` and the
@@ -229,6 +245,14 @@ class ResidentStacks:
         kept = self._kept.get(id(layers[0]))
         if kept is None or len(kept[0]) != len(layers) or not all(map(is_, layers, kept[0])):
             return None
+        trusted = None if self._trusted is None else self._trusted.get(id(layers[0]))
+        if (
+            trusted is not None
+            and trusted[1] is kept[2]
+            and len(trusted[0]) == len(states)
+            and all(map(is_, states, trusted[0]))
+        ):
+            return kept[2]
         for key, name, rows in kept[1]:
             entries = map(operator.itemgetter(key), states)
             if name is not None:
@@ -238,6 +262,8 @@ class ResidentStacks:
                 entries = map(dict.get, parts, repeat(name))
             if not all(map(is_, entries, rows)):
                 return None
+        if self._trusted is not None:
+            self._trusted[id(layers[0])] = (list(states), kept[2])
         return kept[2]
 
     def holds(self, stacks: dict) -> bool:

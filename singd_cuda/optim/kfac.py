@@ -164,6 +164,12 @@ class KfacRule(LayerRule):
         self._stacked = GroupCache()  # stacked inverses of small layers, between inversions
         self._resident = ResidentStacks(("A", "G"), named=False)  # factors of equal shapes
 
+    def open_step(self) -> None:
+        self._resident.open_step()
+
+    def close_step(self) -> None:
+        self._resident.close_step()
+
     def init_state(self, layer: Layer, group: dict, state: dict) -> None:
         dtype = group["factor_dtype"] or layer.weight.dtype
         device = layer.weight.device
@@ -177,11 +183,12 @@ class KfacRule(LayerRule):
         """Sums of aᵀa and gᵀg (a carries 1/√N and g √L, so these are averages).
 
         ``a`` is None on the extra backward passes of a GGN capture (one per output).
+        Both are 2-D: ``torch.mm`` is the kernel ``@`` reaches, without its dispatch.
         """
         if a is not None:
-            A_new = a.T @ a
+            A_new = torch.mm(a.T, a)
             pending["in"] = pending["in"].add_(A_new) if "in" in pending else A_new
-        G_new = g.T @ g
+        G_new = torch.mm(g.T, g)
         pending["out"] = pending["out"].add_(G_new) if "out" in pending else G_new
 
     def update_factors(self, layer, group, state, pending, step: int) -> None:

@@ -60,6 +60,16 @@ class LayerRule(ABC):
     ) -> None:
         """Update the factors from the normalised, unscaled ``pending`` statistics."""
 
+    def open_step(self) -> None:
+        """An optimizer step starts. Until :meth:`close_step` only the optimizer's code
+        runs, so a rule may trust for the rest of the step what it checked in it (the
+        stacked layouts of :class:`~.grouped.ResidentStacks`)."""
+        return None
+
+    def close_step(self) -> None:
+        """The step ended (or raised): nothing checked in it is trusted any more."""
+        return None
+
     def group_key(self, layer: Layer, group: dict, state: dict) -> Hashable | None:
         """Layers of one parameter group with equal keys update their factors (and, in
         :meth:`apply_many`, precondition) as one stack (:mod:`.grouped`); None: alone."""

@@ -91,6 +91,12 @@ class SingdRule(LayerRule):
         # diagonal path: id of kept stacks -> (the stacks, their squares, their _StackRows)
         self._stack_rows: dict[int, tuple[dict, _StackedSquares | None, _StackRows]] = {}
 
+    def open_step(self) -> None:
+        self._resident.open_step()
+
+    def close_step(self) -> None:
+        self._resident.close_step()
+
     def _classes(self, group: dict) -> tuple[type[StructuredMatrix], type[StructuredMatrix]]:
         return _structure_classes(*group["structures"])
 

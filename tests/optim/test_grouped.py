@@ -622,6 +622,59 @@ def test_resident_stacks_are_kept_while_the_states_hold_their_rows(named):
     assert resident.kept(layers, states) is stacks
 
 
+def test_resident_stacks_trust_a_layout_found_whole_until_the_step_closes():
+    """Within a step a layout kept() found whole is answered for the same layers and
+    state dicts without walking their entries again (of() too); not for other state
+    dicts, not once of() restacked some of its layers, and never outside a step (nor in
+    the next step before a walk)."""
+    layers = [object(), object(), object()]
+    states = [{"K": torch.randn(4), "C": torch.randn(3)} for _ in layers]
+    resident = grouped.ResidentStacks(("K", "C"), named=False)
+    stacks = resident.of(layers, states)
+    states[1]["C"] = torch.randn(3)  # outside a step: every call walks the entries
+    assert resident.kept(layers, states) is None
+    stacks = resident.of(layers, states)
+
+    resident.open_step()
+    assert resident.kept(layers, states) is stacks  # walked, found whole: trusted
+    states[1]["C"] = torch.randn(3)  # (what no code of a step does)
+    assert resident.kept(layers, states) is stacks  # answered without the walk
+    assert resident.kept(layers, [dict(s) for s in states]) is None  # other dicts: walked
+    assert resident.of(layers, states) is stacks  # of() trusts it too
+    resident.of(layers[:2], states[:2])  # restacks two of the layers: the three let go
+    assert resident.kept(layers, states) is None
+    stacks = resident.of(layers, states)
+    assert resident.kept(layers, states) is stacks
+    resident.close_step()
+    states[1]["C"] = torch.randn(3)
+    assert resident.kept(layers, states) is None
+    resident.open_step()  # a new step trusts nothing found in the last
+    assert resident.kept(layers, states) is None
+    resident.close_step()
+
+
+@pytest.mark.parametrize("case", ["dense", "diagonal"])
+def test_a_step_closes_the_rules_trust_also_when_it_raises(case, monkeypatch):
+    """step() opens every rule's step and closes it when the step returns and when it
+    raises, so that a layout trusted in a step is walked again after it."""
+    model = Stack(torch.float32)
+    opt = make(model, **CASES[case])
+    data = batches(2, torch.float32)
+    train(model, opt, data[:1])
+    rule = opt.rule_for(opt.param_groups[0])
+    assert rule._resident._trusted is None
+    seen = []
+
+    def failing(self, *args, **kwargs):
+        seen.append(self._resident._trusted is not None)
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(type(rule), "apply_many", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        train(model, opt, data[1:])
+    assert seen == [True] and rule._resident._trusted is None
+
+
 @pytest.mark.parametrize("factor_dtype", [None, torch.bfloat16])
 def test_kfac_group_keys_are_each_layers_key(factor_dtype):
     """K-FAC answers the keys of all layers at once: each layer's own key, ("kfac",
