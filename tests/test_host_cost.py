@@ -53,6 +53,35 @@ def test_table_has_every_optimizer(host_cost, tmp_path, block):
     assert text.count(" | — |") == 8
 
 
+def _timed(host_cost, times: list[float], T: int = 1):
+    competitor = object.__new__(host_cost.Competitor)
+    competitor.times, competitor.T = times, T
+    competitor.updates = [i % T == 0 for i in range(len(times))]
+    return competitor
+
+
+def test_ratio_interval_resamples_rounds_alike(host_cost):
+    """The interval of overhead ÷ AdamW's: a ratio the same in every round has no spread
+    (the same rounds are drawn for the three rows); noisy rounds give an interval that
+    holds the whole run's ratio; blocks are resampled whole, update steps amortized."""
+    plain = _timed(host_cost, [1.0] * 40)
+    adamw = _timed(host_cost, [2.0 + 0.1 * (i % 7) for i in range(40)])
+    doubled = _timed(host_cost, [1.0 + 2 * (t - 1.0) for t in adamw.times])
+    for block in (1, 4):
+        interval = host_cost.ratio_interval(plain, adamw, doubled, block=block)
+        assert interval == pytest.approx((2.0, 2.0), rel=1e-9)
+    noisy = _timed(host_cost, [2.5 + 0.4 * ((5 * i) % 11) / 10 for i in range(40)])
+    low, high = host_cost.ratio_interval(plain, adamw, noisy, block=1)
+    whole = (host_cost.median_ms(noisy.times) - 1e3) / (host_cost.median_ms(adamw.times) - 1e3)
+    assert low < whole < high
+    # T=4 in blocks of 4: every round holds one update step (3.0) and three others (1.5),
+    # amortized (3 x 1.5 + 3.0) / 4 = 1.875 over the plain 1.0, against AdamW's 2.0
+    constant = _timed(host_cost, [2.0] * 40)
+    periodic = _timed(host_cost, [3.0 if i % 4 == 0 else 1.5 for i in range(40)], T=4)
+    interval = host_cost.ratio_interval(plain, constant, periodic, block=4)
+    assert interval == pytest.approx((0.875, 0.875), rel=1e-9)
+
+
 def test_contract_floor_counts_only_passes_that_reach_the_weights(host_cost):
     """The contract floor's output sums count a backward pass only when it accumulates
     into the weights' ``.grad``: ``torch.autograd.grad`` leaves none, ``backward`` its own."""
