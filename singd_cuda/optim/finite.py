@@ -222,7 +222,10 @@ class FactorUndo:
         if layout is None or not layout.holds(states):
             last = self._layout
             if layout is not None or last is None or not last.holds(states):
-                self._layouts.clear()  # other states (a load, new layers): let the old go
+                # other states (a load, new layers): let the old layouts and their save
+                # buffers go (kept by the ids of entries that are gone, they would pile up)
+                self._layouts.clear()
+                self._vectors.clear()
             layout = _Layout(states, self._skip + untouched, self._flags)
             layout.buffers = list(map(self._buffer, layout.saved_vectors, layout.saved_firsts))
             self._layouts[untouched] = layout

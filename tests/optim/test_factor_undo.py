@@ -65,6 +65,24 @@ def test_restore_after_the_objects_of_a_state_changed():
     assert given[1]["warm_started"] is True
 
 
+def test_save_buffers_go_with_the_states_they_saved():
+    """Loads bring new tensors every time: the buffers saved for the old ones are let go,
+    so that they do not pile up over many loads, and a save after a load restores the new
+    values."""
+    undo = FactorUndo()
+    given = states()
+    undo.save(given)
+    held = len(undo._vectors)
+    for load in range(5):  # each a load_state_dict: new tensors under the same keys
+        for state in given:
+            state["h"] = torch.full_like(state["h"], float(load))
+        undo.save(given)
+        assert len(undo._vectors) == held
+        scribble(given)
+        undo.restore()
+        assert all(torch.equal(s["h"], torch.full_like(s["h"], float(load))) for s in given)
+
+
 def test_restore_where_selects_on_the_device_and_keeps_host_values():
     undo = FactorUndo()
     given = states()
