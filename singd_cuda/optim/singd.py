@@ -172,11 +172,8 @@ class SingdRule(LayerRule):
         themselves (bitwise the same products, two ops fewer)."""
         squares = self._squares.get(layer, (state["C"]["diag"], state["K"]["diag"]), _squares)
         k2, c2 = squares.k2, squares.c2
-        if k2.dtype is not dtype or c2.dtype is not dtype:
-            super().accumulate_diagonal_sums(
-                layer, group, state, pending, sums, layer_input, grad_output, dtype, weight
-            )
-            return
+        if k2.dtype is not dtype or c2.dtype is not dtype:  # (a no-op .to costs a call)
+            k2, c2 = k2.to(dtype), c2.to(dtype)
         h = sums.inputs(layer_input, dtype, weight, k2)
         _add_diagonals(pending, h, sums.outputs(grad_output, dtype, c2))
 
