@@ -385,13 +385,16 @@ class _ModelHook(_InertCopies):
         self._handle, self._forward = handle, forward
 
     def __call__(self, module: nn.Module, args, kwargs) -> None:
-        if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
+        compiling = torch.compiler.is_compiling()
+        if not compiling and torch._C._are_functorch_transforms_active():
             return  # torch.func: a forward that takes no statistics
-        batch = next(
-            (x.shape[0] for x in (*args, *kwargs.values()) if isinstance(x, Tensor) and x.dim()),
-            -1,
-        )
-        capture_ops.begin(self._forward, self._handle, batch, torch.is_grad_enabled())
+        batch = -1  # the first tensor argument's dimension 0 (a loop: no generator frames)
+        for x in (*args, *kwargs.values()):
+            if isinstance(x, Tensor) and x.dim():
+                batch = x.shape[0]
+                break
+        begin = capture_ops.begin if compiling else capture_ops.begin_eager
+        begin(self._forward, self._handle, batch, torch.is_grad_enabled())
 
 
 class _BatchHook(_InertCopies):

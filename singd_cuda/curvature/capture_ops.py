@@ -5,9 +5,9 @@ The capture's bookkeeping is Python state (what each backward pass staged, what 
 committed, the loss terms of each layer call). Dynamo cannot trace that, so the hooks put
 four ops into the graph, each running the capture's Python at run time, compiled or not:
 
-* ``singd_capture::begin(counter, batch)``, at each call of the hooked model: counts the
-  model forward (``counter`` += 1, in place, so every later op of the forward reads it
-  after) and notes the batch of its input.
+* ``singd_capture::begin(counter, batch)``, at each call of the hooked model: notes the
+  batch of its input. It declares ``counter`` mutated (its value is never read, so it
+  is left as it is) and every later op of the forward reads it, so they stay after it.
 * ``singd_capture::tell(counter, batch)``, at each call of a module that knows its batch
   (an RNN, attention: :data:`~.layers.BATCH_TELLING`): notes the model's batch.
 * ``singd_capture::mark(counter, output) -> token``, at each call of a layer: whether the
@@ -63,7 +63,6 @@ def _in_graph(op, impl):
 
 
 def _begin(counter: Tensor, handle: int, batch: int, grad_enabled: bool) -> None:
-    counter.add_(1)
     capture = _lookup(handle)
     if capture is not None and grad_enabled:
         capture._on_model_forward(int(batch))
@@ -92,13 +91,14 @@ def _stage(
     return torch.zeros((), dtype=torch.float32, device="cpu")
 
 
+# ``begin`` and ``tell`` declare ``counter`` mutated (it is not) so that the ``mark`` ops
+# after them, which read the counter, stay after them in a compiled graph
 _begin_op = torch.library.custom_op("singd_capture::begin", _begin, mutates_args=("counter",))
-# ``tell`` declares ``counter`` mutated (it is not) so that the ``mark`` ops after it,
-# which read the counter, stay after it in a compiled graph
 _tell_op = torch.library.custom_op("singd_capture::tell", _tell, mutates_args=("counter",))
 _mark_op = torch.library.custom_op("singd_capture::mark", _mark, mutates_args=())
 _stage_op = torch.library.custom_op("singd_capture::stage", _stage, mutates_args=())
 begin = _in_graph(_begin_op, _begin)
+begin_eager = _begin  # for a caller that knows it is not traced
 tell = _in_graph(_tell_op, _tell)
 stage = _in_graph(_stage_op, _stage)
 mark = _mark_op  # traced code only: eager layer calls ask the capture, no tensor made

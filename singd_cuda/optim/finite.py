@@ -41,22 +41,23 @@ class FiniteCheck:
 
     def __init__(self, reasons: int) -> None:
         self._reasons = reasons
-        # device -> (flags (reasons,), one (1,)), float32 whatever the default dtype
-        # (the fused op's contract); flags[i : i + 1] is the op's found_inf for reason i
-        self._buffers: dict[torch.device, tuple[Tensor, Tensor]] = {}
+        # device -> (flags (reasons,), one (1,), views), float32 whatever the default dtype
+        # (the fused op's contract); views[i] = flags[i : i + 1], the op's found_inf for
+        # reason i (made once: a view is an op)
+        self._buffers: dict[torch.device, tuple[Tensor, Tensor, list[Tensor]]] = {}
 
     def reset(self) -> None:
-        for flags, _ in self._buffers.values():
+        for flags, _, _ in self._buffers.values():
             flags.zero_()
 
     def flag(self, device: torch.device, reason: int) -> Tensor:
         """The (1,) float32 flag of ``reason`` on ``device`` (> 0: raised)."""
-        if device not in self._buffers:
-            self._buffers[device] = (
-                torch.zeros(self._reasons, dtype=torch.float32, device=device),
-                torch.ones(1, dtype=torch.float32, device=device),
-            )
-        return self._buffers[device][0][reason : reason + 1]
+        buffers = self._buffers.get(device)
+        if buffers is None:
+            flags = torch.zeros(self._reasons, dtype=torch.float32, device=device)
+            views = [flags[i : i + 1] for i in range(self._reasons)]
+            buffers = self._buffers[device] = (flags, flags.new_ones(1), views)
+        return buffers[2][reason]
 
     def check(self, tensors: Iterable[Tensor], reason: int) -> None:
         tensors = list(filter(Tensor.numel, tensors))  # (empty ones hold nothing to check)
@@ -82,7 +83,7 @@ class FiniteCheck:
         """Every device's flags summed into a new (reasons,) float32 tensor on ``device``
         (for an all-reduce between ranks; no read)."""
         out = torch.zeros(self._reasons, dtype=torch.float32, device=device)
-        for flags, _ in self._buffers.values():
+        for flags, _, _ in self._buffers.values():
             out.add_(flags.to(device))
         return out
 
@@ -93,7 +94,7 @@ class FiniteCheck:
 
     def verdict(self) -> int | None:
         raised = [False] * self._reasons
-        for flags, _ in self._buffers.values():
+        for flags, _, _ in self._buffers.values():
             for i, value in enumerate(flags.tolist()):  # the step's one device->host read
                 raised[i] = raised[i] or value > 0
         return next((i for i, r in enumerate(raised) if r), None)

@@ -140,7 +140,7 @@ class StatisticsNormaliser:
         # the common cases: plain tensors, or structured matrices of one structure, of
         # one device and accumulation dtype: one call, no grouping
         tensors = statistics if kinds == PLAIN else None
-        if len(kinds) == 1 and issubclass(next(iter(kinds)), StructuredMatrix):
+        if tensors is None and len(kinds) == 1 and issubclass(next(iter(kinds)), StructuredMatrix):
             tensors = list(parts_of(statistics))
         if tensors is not None:
             keys = list(map(_DEVICE_DTYPE, tensors))
@@ -166,9 +166,10 @@ class StatisticsNormaliser:
         full_key = (*key, factor, loss_scale is not None)
         scalar = self._scalars.get(full_key)
         if scalar is None:
-            scalar = self._scalars[full_key] = torch.zeros((), dtype=key[1], device=key[0])
+            scalar = torch.full((), factor, dtype=key[1], device=key[0])
+            self._scalars[full_key] = scalar
         if loss_scale is None:
-            return scalar.fill_(factor)
+            return scalar  # (its key holds its value, which nothing writes)
         return scalar.copy_(loss_scale.reshape(())).reciprocal_().square_().mul_(factor)
 
 

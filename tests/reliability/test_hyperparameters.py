@@ -209,3 +209,23 @@ def test_kfac_inverts_at_the_first_factor_update_T_inv_steps_after_the_last(T, T
         if step == 0 or not torch.equal(inverse, seen[-1][1]):
             seen.append((step, inverse.clone()))
     assert [step for step, _ in seen] == inversions
+
+
+def test_group_watch_tells_unchanged_changed_and_renamed_keys():
+    """GroupWatch.changed: nothing changed is an empty set (the values are the same
+    objects, or equal ones); a new value names its key; a key swapped for another (the
+    same count of keys, the lost one None) is a new group, None."""
+    watch = hyperparameters.GroupWatch()
+    group = {"params": [], "step": 0, "lr": 0.1, "graft": None, "betas": (0.9, 0.99)}
+    watch.remember(0, group, {})
+    assert watch.changed(0, group) == set()
+    group["betas"] = (0.9, 0.99)  # an equal value, another object
+    group["step"] = 5  # not a hyperparameter
+    assert watch.changed(0, group) == set()
+    group["lr"] = 0.2
+    assert watch.changed(0, group) == {"lr"}
+    group["lr"] = 0.1
+    del group["graft"]
+    group["grafting"] = None
+    assert watch.changed(0, group) is None
+    assert watch.changed(1, group) is None  # a group never seen
