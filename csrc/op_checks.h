@@ -334,4 +334,31 @@ void dispatch_types(at::ScalarType p, at::ScalarType a, at::ScalarType b, F&& f)
   });
 }
 
+// The rows of min_max_normalise_rows_'s out and v: (rows, d) or a (d,) vector as one row,
+// equal shapes on one device, d > 0, each row contiguous (rows may lie apart), out
+// float32 or float64.
+struct NormaliseRows {
+  int64_t rows, d, out_stride, v_stride;
+};
+
+inline NormaliseRows check_normalise_rows(const at::Tensor& out, const at::Tensor& v) {
+  const char* op = "min_max_normalise_rows_";
+  TORCH_CHECK(out.dim() == 1 || out.dim() == 2, op, ": expected a vector or a matrix, got ",
+              out.dim(), " dimensions");
+  TORCH_CHECK(out.sizes() == v.sizes(), op, ": out has shape ", out.sizes(), " but v ",
+              v.sizes());
+  TORCH_CHECK(out.device() == v.device(), op, ": out and v are on different devices");
+  TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kDouble, op,
+              ": out must be float32 or float64, got ", out.scalar_type());
+  TORCH_CHECK(at::isFloatingType(v.scalar_type()), op, ": v must be floating, got ",
+              v.scalar_type());
+  const bool matrix = out.dim() == 2;
+  const int64_t rows = matrix ? out.size(0) : 1;
+  const int64_t d = out.size(-1);
+  TORCH_CHECK(d > 0 || rows == 0, op, ": a row needs at least one element");
+  TORCH_CHECK(out.stride(-1) == 1 || d <= 1, op, ": out's rows must be contiguous");
+  TORCH_CHECK(v.stride(-1) == 1 || d <= 1, op, ": v's rows must be contiguous");
+  return {rows, d, matrix ? out.stride(0) : d, matrix ? v.stride(0) : d};
+}
+
 }  // namespace singd

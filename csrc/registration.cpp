@@ -21,6 +21,7 @@ TORCH_LIBRARY(singd_cuda, m) {
   m.def(
       "diag_factor_update_(Tensor(a!)[] k, Tensor(b!)[] m, Tensor[] h, Tensor[] a, "
       "Tensor[] b, float alpha1, float beta1, float damping) -> ()");
+  m.def("min_max_normalise_rows_(Tensor(a!) out, Tensor v) -> ()");
   m.def("col_sum_squares(Tensor x, int dim=-1, Tensor? scale=None) -> Tensor");
   m.def(
       "input_sum_squares(Tensor x, float weight, bool bias, Tensor? scale=None) -> Tensor");

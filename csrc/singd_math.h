@@ -9,6 +9,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <cfloat>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -183,6 +184,35 @@ SINGD_HD void valid_outputs(int64_t n, int64_t out, int64_t stride, int64_t padd
   hi = hi < out ? hi : out;
   *first = lo;
   *last = hi > lo ? hi : lo;
+}
+
+// ---------------------------------------------------------------------------------------
+// Min–max normalisation of a row (AdaFisher's s′ and h′), from its minimum and maximum
+// (both NaN when it holds a NaN, as aminmax gives them), as the reference's ops round it:
+//   span = max - min;  constant = 1 - sign(span)  (1 for a constant row, else 0);
+//   span = max(span + constant, tiny)  (NaN stays NaN, as clamp_min);
+//   x′ = (x - min + constant) / span.
+// ---------------------------------------------------------------------------------------
+
+template <typename T>
+struct RowScale {
+  T low, constant, span;
+};
+
+template <typename T>
+SINGD_HD RowScale<T> min_max_scale(T low, T high) {
+  const T tiny = sizeof(T) == sizeof(float) ? static_cast<T>(FLT_MIN) : static_cast<T>(DBL_MIN);
+  T span = high - low;
+  const T sign = static_cast<T>(static_cast<int>(T(0) < span) - static_cast<int>(span < T(0)));
+  const T constant = T(1) - sign;
+  span = span + constant;
+  span = span < tiny ? tiny : span;  // (false for NaN: it stays)
+  return {low, constant, span};
+}
+
+template <typename T>
+SINGD_HD T min_max_element(T x, const RowScale<T>& r) {
+  return (x - r.low + r.constant) / r.span;
 }
 
 }  // namespace singd

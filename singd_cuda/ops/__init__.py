@@ -50,6 +50,8 @@ __all__ = [
     "fused_available",
     "input_sum_squares",
     "input_sum_squares_for",
+    "min_max_normalise_rows_",
+    "min_max_normalise_rows_for",
     "sgd_epilogue_",
 ]
 
@@ -340,6 +342,35 @@ def diag_factor_update_(
         _bump_versions(k, m)
     else:
         reference.diag_factor_update_(k, m, h, a, b, alpha1=alpha1, beta1=beta1, damping=damping)
+
+
+def min_max_normalise_rows_(out: Tensor, v: Tensor) -> None:
+    """Every row of ``v`` scaled to [0, 1] into ``out``, in one op (AdaFisher's s′, h′).
+
+    Row by row: ``(v - min + c) / max(max - min + c, tiny)`` with c = 1 for a constant row
+    (which maps to ones: no direction is preferred) and 0 otherwise, min and max of the
+    row, tiny the smallest normal number of out's dtype. v: (rows, d) or (d,) (one row),
+    d ≥ 1, any floating dtype, each row contiguous (rows may lie apart: the padded rows of
+    a resident stack); out: v's shape on v's device, float32 or float64, rows contiguous.
+    The arithmetic is in out's dtype, each operation rounded once as the reference's
+    separate ``aminmax``, ``sub``, ``sign``, ``add``, ``clamp_min`` and ``div`` round it;
+    a row holding a NaN comes out NaN. Allocates nothing.
+    """
+    min_max_normalise_rows_for(out.device.type)(out, v)
+
+
+def min_max_normalise_rows_for(device_type: str) -> Callable[[Tensor, Tensor], None]:
+    """:func:`min_max_normalise_rows_` for tensors on ``device_type``, resolved once: the
+    fused op or the reference, as ``SINGD_CUDA_FUSED`` says now. For callers that
+    normalise at every step, which then read no environment per call."""
+    if _fused_for(device_type):
+        return _fused_min_max_normalise_rows_
+    return reference.min_max_normalise_rows_
+
+
+def _fused_min_max_normalise_rows_(out: Tensor, v: Tensor) -> None:
+    torch.ops.singd_cuda.min_max_normalise_rows_(out, v)
+    torch.autograd.graph.increment_version(out)  # (see _bump_versions)
 
 
 def col_sum_squares(x: Tensor, dim: int = -1, scale: Tensor | None = None) -> Tensor:

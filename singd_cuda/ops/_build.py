@@ -53,12 +53,13 @@ import torch
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = {
-    "cpu": ("registration.cpp", "cpu/elementwise.cpp", "cpu/reductions.cpp"),
+    "cpu": ("registration.cpp", "cpu/elementwise.cpp", "cpu/reductions.cpp", "cpu/normalise.cpp"),
     "cuda": (
         "cuda/diag_step.cu",
         "cuda/reductions.cu",
         "cuda/epilogue.cu",
         "cuda/factor_update.cu",
+        "cuda/normalise.cu",
     ),
 }
 SOURCE_SUFFIXES = (".h", ".cuh", ".cpp", ".cu")

@@ -215,6 +215,16 @@ def diag_factor_update_(
         k_i.copy_(kf * (1 - beta1 * m_new))
 
 
+def min_max_normalise_rows_(out: Tensor, v: Tensor) -> None:
+    rows = out if out.dim() == 2 else out.unsqueeze(0)
+    out.copy_(v)
+    low, span = torch.aminmax(rows, dim=1, keepdim=True)
+    span.sub_(low)
+    constant = torch.rsub(torch.sign(span), 1)  # 1 if span == 0, else 0
+    span.add_(constant).clamp_min_(torch.finfo(out.dtype).tiny)
+    rows.sub_(low).add_(constant).div_(span)
+
+
 def col_sum_squares(x: Tensor, dim: int = -1, scale: Tensor | None = None) -> Tensor:
     xf = x.to(_opmath(x.dtype))
     dims = [d for d in range(x.dim()) if d != dim % x.dim()]

@@ -292,30 +292,17 @@ def _like(matrix: Tensor, tensor: Tensor) -> Tensor:
     return matrix.reshape(tensor.shape)
 
 
-def min_max_normalise(v: Tensor, out: Tensor | None = None, scratch: Tensor | None = None):
-    """v scaled to [0, 1]; a constant vector maps to ones (no direction is preferred).
+def min_max_normalise(v: Tensor, out: Tensor | None = None) -> Tensor:
+    """v scaled to [0, 1]; a constant vector maps to ones (no direction is preferred):
+    :func:`singd_cuda.ops.min_max_normalise_rows_` of one row.
 
-    v: (d,), any float dtype. ``out``: (d,) result buffer (default: new, v's dtype);
-    ``scratch``: from :func:`normalise_scratch` in out's dtype. With both given nothing
-    is allocated (hence no Python-scalar arithmetic, which would allocate 0-dim tensors).
+    v: (d,), any float dtype. ``out``: (d,) float32 or float64 result buffer (default:
+    new, in v's accumulation dtype), returned. With ``out`` given nothing is allocated.
     """
     if out is None:
-        out = torch.empty_like(v)
-    if scratch is None:
-        scratch = normalise_scratch(out)
-    low, span, constant, one = scratch.unbind()
-    out.copy_(v)
-    torch.aminmax(out, out=(low, span))
-    span.sub_(low)
-    torch.sub(one, torch.sign(span, out=constant), out=constant)  # 1 if span == 0, else 0
-    # (v − low + constant) / max(span + constant, tiny): ones for a constant vector
-    span.add_(constant).clamp_min_(torch.finfo(out.dtype).tiny)
-    return out.sub_(low).add_(constant).div_(span)
-
-
-def normalise_scratch(like: Tensor) -> Tensor:
-    """The 4-element scratch of :func:`min_max_normalise` (its last entry holds 1)."""
-    return torch.tensor([0.0, 0.0, 0.0, 1.0], dtype=like.dtype, device=like.device)
+        out = torch.empty(v.shape, dtype=accumulation_dtype(v.dtype), device=v.device)
+    ops.min_max_normalise_rows_(out, v)
+    return out
 
 
 def preconditioned(G: Tensor, s: Tensor, h: Tensor, damping: float) -> Tensor:
@@ -324,51 +311,28 @@ def preconditioned(G: Tensor, s: Tensor, h: Tensor, damping: float) -> Tensor:
 
 
 def _normalised(s: Tensor, h: Tensor, acc: torch.dtype, out: tuple | None) -> tuple:
-    """(s′, h′, scratch): the min–max normalised EMAs in ``acc``, into ``out`` if given."""
+    """(s′, h′, the normaliser): the min–max normalised EMAs in ``acc``, into ``out`` if
+    given (the normaliser, :func:`~singd_cuda.ops.min_max_normalise_rows_for`, is
+    resolved with the buffers)."""
     if out is None:
-        s_norm = s.new_empty(s.shape, dtype=acc)
-        out = (s_norm, h.new_empty(h.shape, dtype=acc), normalise_scratch(s_norm))
-    s_norm, h_norm, scratch = out
-    min_max_normalise(s, s_norm, scratch)
-    min_max_normalise(h, h_norm, scratch)
+        normalise = ops.min_max_normalise_rows_for(s.device.type)
+        out = (s.new_empty(s.shape, dtype=acc), h.new_empty(h.shape, dtype=acc), normalise)
+    out[2](out[0], s)
+    out[2](out[1], h)
     return out
 
 
-def min_max_normalise_rows(V: Tensor, out: Tensor, scratch: tuple[Tensor, ...]) -> Tensor:
-    """Row i of ``out`` = :func:`min_max_normalise` of row i of ``V``, for every row at
-    once by broadcasting over (L, 1) minima and spans: elementwise the same arithmetic as
-    one vector at a time, so bitwise the same result.
-
-    V: (L, d), any float dtype; out: (L, d) in the dtype to normalise in; ``scratch``:
-    from :func:`rows_scratch` for ``out``. Nothing is allocated.
-    """
-    low, span, constant, one = scratch
-    out.copy_(V)
-    torch.aminmax(out, dim=1, keepdim=True, out=(low, span))
-    span.sub_(low)
-    torch.sub(one, torch.sign(span, out=constant), out=constant)  # 1 if span == 0, else 0
-    span.add_(constant).clamp_min_(torch.finfo(out.dtype).tiny)
-    return out.sub_(low).add_(constant).div_(span)
-
-
-def rows_scratch(out: Tensor) -> tuple[Tensor, ...]:
-    """The scratch of :func:`min_max_normalise_rows` into ``out`` (L, d): three (L, 1)
-    buffers and a 0-dim one holding 1."""
-    scalars = out.new_empty((3, out.shape[0], 1))
-    return (*scalars.unbind(), normalise_scratch(out)[3])
-
-
 def _normalised_rows(S: Tensor, H: Tensor, acc: torch.dtype, out: tuple | None) -> tuple:
-    """(S′, H′, scratch, the rows of S′, the rows of H′): the min–max normalised rows of
-    the stacked EMAs S (L, d_C) and H (L, d_K) in ``acc``, into ``out`` if given."""
+    """(S′, H′, the rows of S′, the rows of H′, the normaliser): the min–max normalised
+    rows of the stacked EMAs S (L, d_C) and H (L, d_K) in ``acc``, one op a stack, into
+    ``out`` if given (as :func:`_normalised`)."""
     if out is None:
         S_norm = S.new_empty(S.shape, dtype=acc)
         H_norm = H.new_empty(H.shape, dtype=acc)
-        scratch = rows_scratch(S_norm)
-        out = (S_norm, H_norm, scratch, list(S_norm.unbind()), list(H_norm.unbind()))
-    S_norm, H_norm, scratch, _, _ = out
-    min_max_normalise_rows(S, S_norm, scratch)
-    min_max_normalise_rows(H, H_norm, scratch)
+        normalise = ops.min_max_normalise_rows_for(S.device.type)
+        out = (S_norm, H_norm, list(S_norm.unbind()), list(H_norm.unbind()), normalise)
+    out[4](out[0], S)
+    out[4](out[1], H)
     return out
 
 
@@ -572,9 +536,10 @@ class AdaFisherRule(LayerRule):
     def _counted_scales_many(self, layers, states) -> tuple[list[Tensor], list[Tensor]]:
         """(s′ of every layer, h′ of every layer) (``states``: each layer's parameter
         states), counting one more update of each. Layers of equal shapes and dtypes
-        normalise the rows of their stacked EMAs at once (:func:`min_max_normalise_rows`
-        on :class:`~.grouped.ResidentStacks`), into buffers kept between factor updates
-        whose rows are the layers' s′ and h′; a layer alone has its own."""
+        normalise the rows of their stacked EMAs at once
+        (:func:`singd_cuda.ops.min_max_normalise_rows_` on
+        :class:`~.grouped.ResidentStacks`), into buffers kept between factor updates whose
+        rows are the layers' s′ and h′; a layer alone has its own."""
         weight_states = list(map(_FIRST, states))
         parts = self._parts(layers, weight_states)
         if len(parts) == 1 and len(layers) > 1:  # the common case: one stack
@@ -603,7 +568,7 @@ class AdaFisherRule(LayerRule):
         values = self._stacked.get(
             layers, (S, H), lambda out: _normalised_rows(S, H, acc, out), into=True
         )
-        return values[3], values[4]
+        return values[2], values[3]
 
     @staticmethod
     def _step_batch(

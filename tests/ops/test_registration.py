@@ -56,6 +56,7 @@ def _opcheck_cases():
             0.01,
             1e-3,
         ),
+        "min_max_normalise_rows_": (torch.empty(3, 5), torch.randn(3, 5)),
         "col_sum_squares": (torch.randn(6, 5), -1),
         "input_sum_squares": (torch.randn(2, 3, 5), 4.0, True),
         "conv2d_patch_sum_squares": (torch.randn(2, 4, 6, 6), (3, 3), (1, 1), (1, 1), (1, 1), 2),
@@ -96,8 +97,10 @@ def test_wrappers_take_the_fused_path(cpu_ops, monkeypatch):
     monkeypatch.setattr(reference, "sgd_epilogue_", fail)
     monkeypatch.setattr(reference, "col_sum_squares", fail)
     monkeypatch.setattr(reference, "input_sum_squares", fail)
+    monkeypatch.setattr(reference, "min_max_normalise_rows_", fail)
     params, grads, bufs, _, _ = _list_op_args()
     ops.sgd_epilogue_(params, grads, bufs, lr=0.1, momentum=0.9)
+    ops.min_max_normalise_rows_(bufs[0], params[0])
     ops.col_sum_squares(params[0])
     ops.input_sum_squares(params[0], 2.0, True)
     assert ops.input_sum_squares_for("cpu") is cpu_ops.input_sum_squares.default
@@ -113,6 +116,7 @@ def test_env_switch_forces_the_reference(cpu_ops, monkeypatch):
     assert calls == [0]
     assert not ops.fused_available("cpu")
     assert ops.input_sum_squares_for("cpu") is reference.input_sum_squares
+    assert ops.min_max_normalise_rows_for("cpu") is reference.min_max_normalise_rows_
 
 
 def test_wrappers_accept_empty_lists(cpu_ops):
