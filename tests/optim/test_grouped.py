@@ -622,6 +622,25 @@ def test_resident_stacks_are_kept_while_the_states_hold_their_rows(named):
     assert resident.kept(layers, states) is stacks
 
 
+def test_gathered_answers_the_stack_the_tensors_are_rows_of():
+    """gathered() hands back the stack that holds the tensors as its rows (no copy; the
+    same values), and otherwise their copy in a buffer kept with the target stack: for
+    a row order that is not the stack's, or a single tensor."""
+    layers = [object(), object(), object()]
+    states = [{"K": torch.randn(4), "C": torch.randn(3)} for _ in layers]
+    resident = grouped.ResidentStacks(("K", "C"), named=False)
+    K = resident.of(layers, states)["K"]
+    padded = torch.randn(3, 6)
+    statistics = list(padded[:, :4].unbind())  # rows of one stack, padded apart
+    got = resident.gathered(K, statistics)
+    assert got._base is padded and torch.equal(got, padded[:, :4])
+    reversed_rows = statistics[::-1]
+    copied = resident.gathered(K, reversed_rows)
+    assert copied._base is not padded and torch.equal(copied, torch.stack(reversed_rows))
+    assert resident.gathered(K, reversed_rows) is copied  # the kept buffer, refilled
+    assert torch.equal(resident.gathered(K[:1], statistics[:1]), statistics[0][None])
+
+
 def test_resident_stacks_trust_a_layout_found_whole_until_the_step_closes():
     """Within a step a layout kept() found whole is answered for the same layers and
     state dicts without walking their entries again (of() too); not for other state
