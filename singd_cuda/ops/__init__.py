@@ -47,6 +47,7 @@ __all__ = [
     "conv2d_patch_sum_squares",
     "diag_factor_update_",
     "diag_precond_step_",
+    "diag_precond_step_for",
     "fused_available",
     "input_sum_squares",
     "input_sum_squares_for",
@@ -261,45 +262,75 @@ def diag_precond_step_(
 
     The other arguments are as in :func:`sgd_epilogue_` and the module docstring.
     """
-    if _use_fused(params):
-        torch.ops.singd_cuda.diag_precond_step_(
-            params,
-            grads,
-            bufs,
-            row_scales,
-            col_scales,
-            mode,
-            lr,
-            momentum,
-            damping,
-            weight_decay,
-            decoupled,
-            step,
-            inv_scale,
-            found_inf,
-            stochastic_rounding,
-            seed,
-        )
-        _bump_versions(params, bufs)
-    else:
-        reference.diag_precond_step_(
-            params,
-            grads,
-            bufs,
-            row_scales,
-            col_scales,
-            mode=mode,
-            lr=lr,
-            momentum=momentum,
-            damping=damping,
-            weight_decay=weight_decay,
-            decoupled=decoupled,
-            step=step,
-            inv_scale=inv_scale,
-            found_inf=found_inf,
-            stochastic_rounding=stochastic_rounding,
-            seed=seed,
-        )
+    step_op = _fused_diag_precond_step_ if _use_fused(params) else reference.diag_precond_step_
+    step_op(
+        params,
+        grads,
+        bufs,
+        row_scales,
+        col_scales,
+        mode=mode,
+        lr=lr,
+        momentum=momentum,
+        damping=damping,
+        weight_decay=weight_decay,
+        decoupled=decoupled,
+        step=step,
+        inv_scale=inv_scale,
+        found_inf=found_inf,
+        stochastic_rounding=stochastic_rounding,
+        seed=seed,
+    )
+
+
+def diag_precond_step_for(device_type: str) -> Callable[..., None]:
+    """:func:`diag_precond_step_` (the same arguments) for tensors on ``device_type``,
+    resolved once: the fused op or the reference, as ``SINGD_CUDA_FUSED`` says now. For
+    callers that step every layer at every step, which then read no environment per
+    call."""
+    if _fused_for(device_type):
+        return _fused_diag_precond_step_
+    return reference.diag_precond_step_
+
+
+def _fused_diag_precond_step_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    bufs: Sequence[Tensor],
+    row_scales: Sequence[Tensor],
+    col_scales: Sequence[Tensor],
+    *,
+    mode: str,
+    lr: float,
+    momentum: float,
+    damping: float = 0.0,
+    weight_decay: float = 0.0,
+    decoupled: bool = False,
+    step: int = 1,
+    inv_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+) -> None:
+    torch.ops.singd_cuda.diag_precond_step_(
+        params,
+        grads,
+        bufs,
+        row_scales,
+        col_scales,
+        mode,
+        lr,
+        momentum,
+        damping,
+        weight_decay,
+        decoupled,
+        step,
+        inv_scale,
+        found_inf,
+        stochastic_rounding,
+        seed,
+    )
+    _bump_versions(params, bufs)
 
 
 def diag_factor_update_(

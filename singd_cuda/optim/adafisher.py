@@ -104,6 +104,9 @@ class DiagonalBatch:
         # (tensor, its updated matrix copy, (matrix, tensor) -> shaped like tensor, transposed)
         self._copies: list[tuple[Tensor, Tensor, Callable, bool]] = []
         self.grad_views: list[tuple | None] = []  # each grad's _Queued.grad_view, or None
+        # the op to run on the lists: ops.diag_precond_step_, or a kept batch's resolved
+        # ops.diag_precond_step_for (no environment read a step)
+        self.step_op: Callable[..., None] = ops.diag_precond_step_
 
     def _matrix(
         self, tensor: Tensor, as_matrix, from_matrix, transposed: bool, updated: bool
@@ -209,6 +212,7 @@ class KeptBatch:
         self._lists: tuple[list[Tensor], ...] | None = None  # (params, bufs, rows, cols)
         self._grad_views: list[tuple | None] = []  # None: the gradient as it is (_takes_as_is)
         self._pointers: list[int] = []  # the parameters' data pointers
+        self._step_op: Callable[..., None] = ops.diag_precond_step_  # resolved with the lists
 
     def batch(
         self,
@@ -239,6 +243,7 @@ class KeptBatch:
             if list(map(Tensor.stride, queued)) == self._strides:
                 batch = DiagonalBatch()
                 batch.params, batch.bufs, batch.rows, batch.cols = self._lists
+                batch.step_op = self._step_op
                 batch.grads = [
                     # _grad_view, inline (a Python call per bias saved)
                     grad
@@ -258,6 +263,7 @@ class KeptBatch:
             self._present, self._strides = present, list(map(Tensor.stride, queued))
             self._pointers = list(map(Tensor.data_ptr, params))
             self._lists = (batch.params, batch.bufs, batch.rows, batch.cols)
+            self._step_op = ops.diag_precond_step_for(params[0].device.type)
             self._grad_views = [
                 None if _takes_as_is(grad, view) else view
                 for grad, view in zip(queued, batch.grad_views, strict=True)
@@ -574,7 +580,7 @@ class AdaFisherRule(LayerRule):
     def _step_batch(
         batch: DiagonalBatch, group, inv_scale, step: int, count: int, seed: int, found_inf=None
     ):
-        ops.diag_precond_step_(
+        batch.step_op(
             *batch.lists(),
             mode="adafisher",
             lr=group["lr"],

@@ -212,7 +212,7 @@ class SingdRule(LayerRule):
         buf_key = "momentum_buffer" if momentum != 0.0 else None
         rows, cols = [sq.c2 for sq in squares], [sq.k2 for sq in squares]
         batch = self._kept.batch(layers, states, rows, cols, buf_key, self._views)
-        ops.diag_precond_step_(
+        batch.step_op(
             *batch.lists(),
             mode="singd",
             lr=group["lr"],

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+import singd_cuda.ops as ops
 from singd_cuda import SINGD, AdaFisher
 
 IN_FEATURES, NUM_CLASSES, IMAGE = 12, 5, (3, 8, 8)
@@ -197,3 +198,22 @@ def snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[list[Tensor]
     """Copies of the parameters and of the full optimizer state."""
     params = [p.detach().clone() for p in model.parameters()]
     return params, copy.deepcopy(opt.state_dict())
+
+
+def count_diagonal_steps(monkeypatch) -> list[int]:
+    """The number of parameters of every diagonal step op call from here on, through
+    ``ops.diag_precond_step_`` or the op a kept batch resolves once
+    (``ops.diag_precond_step_for``)."""
+    calls: list[int] = []
+
+    def counting(step_op):
+        def count(params, *args, **kwargs):
+            calls.append(len(params))
+            return step_op(params, *args, **kwargs)
+
+        return count
+
+    resolve = ops.diag_precond_step_for
+    monkeypatch.setattr(ops, "diag_precond_step_", counting(ops.diag_precond_step_))
+    monkeypatch.setattr(ops, "diag_precond_step_for", lambda device: counting(resolve(device)))
+    return calls

@@ -18,7 +18,14 @@ import singd_cuda.ops as ops
 from singd_cuda import KFAC, SINGD, AdaFisher
 
 from ..loops import backward_and_step
-from .conftest import MODELS, assert_models_equal, loss_fn, random_batches, train
+from .conftest import (
+    MODELS,
+    assert_models_equal,
+    count_diagonal_steps,
+    loss_fn,
+    random_batches,
+    train,
+)
 from .test_checkpoint import model_with_fallback
 
 pytestmark = pytest.mark.skipif(not ops.fused_available("cpu"), reason="fused ops not built")
@@ -103,15 +110,9 @@ def test_bf16_stochastic_rounding_matches_reference(name, monkeypatch):
 
 @pytest.mark.parametrize("name", ["singd-diagonal", "adafisher"])
 def test_one_update_call_per_step_whatever_the_depth(name, monkeypatch):
-    """The diagonal paths update all layers of a group in one op call."""
-    calls = []
-    original = ops.diag_precond_step_
-
-    def counting(params, *args, **kwargs):
-        calls.append(len(params))
-        return original(params, *args, **kwargs)
-
-    monkeypatch.setattr(ops, "diag_precond_step_", counting)
+    """The diagonal paths update all layers of a group in one op call (the op, or the
+    one a kept batch resolved once)."""
+    calls = count_diagonal_steps(monkeypatch)
     run("mlp", name, True, monkeypatch)
     assert calls == [6] * STEPS  # 3 layers x (weight, bias), one call per step
 

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_map
 import singd_cuda.ops as ops
 from singd_cuda import KFAC, SINGD, AdaFisher
 
-from .conftest import IN_FEATURES, NUM_CLASSES, loss_fn, random_batches
+from .conftest import IN_FEATURES, NUM_CLASSES, count_diagonal_steps, loss_fn, random_batches
 
 WRITING_OPS = ("sgd_epilogue_", "adam_epilogue_", "diag_precond_step_")
 
@@ -45,7 +45,8 @@ class Mixed(nn.Module):
 
 
 def recording_ops(monkeypatch) -> list[dict]:
-    """Replace the ops that write parameters by recorders that change nothing."""
+    """Replace the ops that write parameters by recorders that change nothing (the
+    diagonal step also where a kept batch resolves it, ``ops.diag_precond_step_for``)."""
     calls: list[dict] = []
     for name in WRITING_OPS:
 
@@ -53,6 +54,8 @@ def recording_ops(monkeypatch) -> list[dict]:
             calls.append(dict(op=name, params=list(params), **kwargs))
 
         monkeypatch.setattr(ops, name, record)
+        if name == "diag_precond_step_":
+            monkeypatch.setattr(ops, "diag_precond_step_for", lambda device, op=record: op)
     return calls
 
 
@@ -70,13 +73,14 @@ def test_every_parameter_write_goes_through_the_ops(name, monkeypatch):
     cls, kwargs = CASES[name]
     opt = cls(model, stochastic_rounding=True, **kwargs)
     index = {storage(p): i for i, p in enumerate(model.parameters())}
+    recorded = recording_ops(monkeypatch)  # for every step (a kept batch keeps its op)
     for step, (x, y) in enumerate(random_batches("mlp", 3, dtype=torch.bfloat16)):
         before = [p.detach().clone() for p in model.parameters()]
-        calls = recording_ops(monkeypatch)
+        start = len(recorded)
         opt.zero_grad()
         loss_fn(model(x), y).backward()
         opt.step()
-        monkeypatch.undo()
+        calls = recorded[start:]
         for p, q in zip(model.parameters(), before, strict=True):
             assert torch.equal(p, q)
         written = [storage(p) for call in calls for p in call["params"]]
@@ -154,14 +158,7 @@ def test_non_viewable_parameters_take_the_fused_pass(name, monkeypatch):
     opts[1].load_state_dict(opts[0].state_dict())
     for state in opts[1].state.values():
         state.update(tree_map(lambda t: t.contiguous() if torch.is_tensor(t) else t, state))
-    calls = []
-    original = ops.diag_precond_step_
-
-    def counting(params, *args, **kw):
-        calls.append(len(params))
-        return original(params, *args, **kw)
-
-    monkeypatch.setattr(ops, "diag_precond_step_", counting)
+    calls = count_diagonal_steps(monkeypatch)
     for _ in range(3):  # gradients by hand: no statistics, identical inputs to the op
         for p, q in zip(strided.parameters(), dense.parameters(), strict=True):
             grad = torch.randn(p.shape, generator=gen)
