@@ -639,8 +639,8 @@ class KroneckerOptimizer(Optimizer):
         self._pending = self._normalise(self._capture.committed, loss_averages, stats_scale)
         if self._sync is not None:
             grad_scale, found_inf = self._synchronise(grad_scale, found_inf)
-        # states created by statistics that were discarded before the step (zero_grad)
-        self._restore_created([layer for layer in self._created if layer not in self._pending])
+        if self._created:  # states created by statistics discarded before the step (zero_grad)
+            self._restore_created([layer for layer in self._created if layer not in self._pending])
         # validate: flags raised on the device, read once after the factor updates (or,
         # with nonfinite='device', consumed there by every write)
         self._check(found_inf)
@@ -666,12 +666,15 @@ class KroneckerOptimizer(Optimizer):
             precondition_shards(self, with_grad, grad_scale)  # every rank: its rows of each
         else:
             precondition_layers(self, owned, grad_scale, skip)
-            waiting = [layer for layer in waiting if self._owns(layer)]
-        self._fallback_step(grad_scale, [p for layer in waiting for p in layer.params], skip)
+            waiting = [layer for layer in waiting if self._owns(layer)] if waiting else waiting
+        if waiting:  # layers without statistics yet: AdamW
+            self._fallback_step(grad_scale, [p for layer in waiting for p in layer.params], skip)
         if self._sync is not None and self._shards() is None:
             self._sync.share_parameters()  # distribute_factors: the owners' layers
-        norm_step(self, grad_scale)
-        self._fallback_step(grad_scale, self._fallback_params, skip)
+        if self._norm_layers:
+            norm_step(self, grad_scale)
+        if self._fallback_params:
+            self._fallback_step(grad_scale, self._fallback_params, skip)
         for group, has_gradients in zip(self.param_groups, with_gradients, strict=True):
             # a group without gradients sits the step out (as torch.optim.AdamW counts a
             # parameter's steps); under torch.distributed every rank counts every step
