@@ -285,7 +285,7 @@ class ResidentStacks:
         gathered, found by :class:`KnownStacks`), else ``torch.stack(tensors)`` into a
         buffer kept with ``stack``. A warm call allocates nothing."""
         known = self._known_rows(tensors)
-        if known is not None and known.shape == stack.shape and known.dtype == stack.dtype:
+        if known is not None and _SHAPE_DTYPE_DEVICE(known) == _SHAPE_DTYPE_DEVICE(stack):
             return known
         entry = self._scratch.get(id(stack))
         if entry is None or entry[0] is not stack:
