@@ -298,19 +298,6 @@ def _like(matrix: Tensor, tensor: Tensor) -> Tensor:
     return matrix.reshape(tensor.shape)
 
 
-def min_max_normalise(v: Tensor, out: Tensor | None = None) -> Tensor:
-    """v scaled to [0, 1]; a constant vector maps to ones (no direction is preferred):
-    :func:`singd_cuda.ops.min_max_normalise_rows_` of one row.
-
-    v: (d,), any float dtype. ``out``: (d,) float32 or float64 result buffer (default:
-    new, in v's accumulation dtype), returned. With ``out`` given nothing is allocated.
-    """
-    if out is None:
-        out = torch.empty(v.shape, dtype=accumulation_dtype(v.dtype), device=v.device)
-    ops.min_max_normalise_rows_(out, v)
-    return out
-
-
 def preconditioned(G: Tensor, s: Tensor, h: Tensor, damping: float) -> Tensor:
     """Ĝ = G / (s′ ⊗ h′ + λ): G (d_C, d_K) unscaled, s′ (d_C) and h′ (d_K) in G's dtype."""
     return G / torch.outer(s, h).add_(damping)

@@ -10,7 +10,6 @@ from torch.profiler import ProfilerActivity, profile
 
 import singd_cuda.ops as ops
 from singd_cuda import SINGD, AdaFisher
-from singd_cuda.optim.adafisher import min_max_normalise
 
 from .conftest import MODELS, loss_fn, random_batches
 
@@ -45,14 +44,19 @@ def test_warm_steps_allocate_nothing(case, kind, T):
         assert allocated_bytes(opt.step) == 0, f"step {step} (update: {step % T == 0})"
 
 
+def normalised_vector(v: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """ops.min_max_normalise_rows_ of a vector, into a new buffer of ``dtype``."""
+    out = torch.empty(v.shape, dtype=dtype)
+    ops.min_max_normalise_rows_(out, v)
+    return out
+
+
 def test_min_max_normalise():
     v = torch.tensor([3.0, -1.0, 1.0, 7.0])
-    torch.testing.assert_close(min_max_normalise(v), (v + 1) / 8)
-    torch.testing.assert_close(min_max_normalise(torch.full((3,), 2.5)), torch.ones(3))
-    half = torch.tensor([1.0, 3.0], dtype=torch.bfloat16)
-    out = torch.empty(2)  # into a float32 buffer, from bfloat16
-    assert min_max_normalise(half, out) is out
-    torch.testing.assert_close(out, torch.tensor([0.0, 1.0]))
+    torch.testing.assert_close(normalised_vector(v), (v + 1) / 8)
+    torch.testing.assert_close(normalised_vector(torch.full((3,), 2.5)), torch.ones(3))
+    half = torch.tensor([1.0, 3.0], dtype=torch.bfloat16)  # into float32, from bfloat16
+    torch.testing.assert_close(normalised_vector(half), torch.tensor([0.0, 1.0]))
 
 
 @pytest.mark.parametrize(
@@ -66,7 +70,7 @@ def test_min_max_normalise():
 )
 @pytest.mark.parametrize("length", [1, 5, 16, 17])
 def test_rows_normalise_as_one_vector_at_a_time(source, dtype, length):
-    """Each row of the stacked normalisation is bitwise min_max_normalise of that row
+    """Each row of the stacked normalisation is bitwise the normalisation of that row
     alone, constant rows included, also from the padded rows of a resident stack."""
     torch.manual_seed(0)
     padded = torch.randn(6, 32).to(source)
@@ -76,7 +80,7 @@ def test_rows_normalise_as_one_vector_at_a_time(source, dtype, length):
     out = torch.empty(V.shape, dtype=dtype)
     ops.min_max_normalise_rows_(out, V)
     for row, normalised in zip(V, out, strict=True):
-        expected = min_max_normalise(row, torch.empty(length, dtype=dtype))
+        expected = normalised_vector(row, dtype)
         torch.testing.assert_close(normalised, expected, rtol=0, atol=0)
 
 
