@@ -22,10 +22,7 @@ AdamW's overhead.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
-import shlex
 import sys
 import time
 import warnings
@@ -38,6 +35,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from records import header, publish
 from vs_peers import amortized_ms, median_ms
 
 from singd_cuda import KFAC, SINGD, AdaFisher
@@ -174,23 +172,20 @@ def main(argv=None) -> int:
     sections = []
     for name in args.models.split(","):
         sections += [*table(name, *measure(name, args.steps), args.steps), ""]
-    command = " ".join(shlex.quote(a) for a in ["benchmarks/models_iteration.py", *sys.argv[1:]])
     lines = [
-        "# Whole iterations on real model shapes, against AdamW",
-        "",
-        f"`python {command}` — {datetime.date.today()}, torch {torch.__version__}, "
-        f"{platform.machine()}, 1 thread; load average before {load:.1f}; "
-        f"run took {time.time() - start:.0f} s",
-        "",
+        *header(
+            "Whole iterations on real model shapes, against AdamW",
+            "models_iteration.py",
+            sys.argv[1:],
+            start,
+            load,
+        ),
         *sections,
         "Iteration: forward + backward + step, median, amortized over T (the T=10 rows include "
         "their statistics step once per 10). Overhead: the iteration minus the plain model's "
         "forward + backward (no optimizer, no hooks), against AdamW's overhead.",
     ]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    publish(lines, args.out)
     return 0
 
 

@@ -21,10 +21,7 @@ the caches in ``host_cost.py``'s default run, where other competitors run in bet
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
-import shlex
 import statistics
 import sys
 import time
@@ -34,6 +31,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from records import header, publish
 
 from singd_cuda import ops
 
@@ -141,24 +140,21 @@ def main(argv=None) -> int:
     sweep = torch.zeros(SWEEP_ELEMENTS)
     start, load = time.time(), os.getloadavg()[0]
     rows = [measure(int(n), args.width, args.calls, sweep) for n in args.layers.split(",")]
-    command = shlex.join(["benchmarks/tensor_count.py", *(argv or sys.argv[1:])])
     lines = [
-        "# Host cost per tensor handed to a fused op",
-        "",
-        f"`python {command}` — {datetime.date.today()}, torch {torch.__version__}, "
-        f"{platform.machine()}, 1 thread; load average before {load:.1f}; run took "
-        f"{time.time() - start:.0f} s",
-        "",
+        *header(
+            "Host cost per tensor handed to a fused op",
+            "tensor_count.py",
+            argv or sys.argv[1:],
+            start,
+            load,
+        ),
         *table(rows),
         "",
         "Warm: the call right after the last; cold: after a 32 MiB sweep. One stack: the "
         "same op on the same elements as one matrix (5 tensors). Per tensor: (lists - one "
         "stack) / (tensors - 5).",
     ]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    publish(lines, args.out)
     return 0
 
 

@@ -26,5 +26,5 @@ def loaded(name: str = "host_cost") -> Iterator[ModuleType]:
         yield module
     finally:
         sys.path.remove(str(BENCHMARKS))
-        for imported in ("vs_peers", "host_cost"):
+        for imported in ("vs_peers", "host_cost", "records"):
             sys.modules.pop(imported, None)
