@@ -99,6 +99,11 @@ class CaptureOwner(Protocol):
         the output side as the raw gradient's. False when it added nothing (the call
         then does not count)."""
 
+    def _merge_statistics(self, layer: Layer, into: Statistics, new: Statistics) -> None:
+        """into += new: a later backward pass's committed statistics of ``layer`` added to
+        the earlier passes' (:func:`merge_statistics`, after whatever the owner's
+        statistics need first)."""
+
 
 @dataclass
 class Committed:
@@ -576,7 +581,7 @@ class _AccumulatedHook(_InertCopies):
             previous.statistics, previous.terms, previous.direct = statistics, 0.0, False
             previous.calls.clear()
         else:
-            merge_statistics(previous.statistics, statistics)
+            capture._owner._merge_statistics(layer, previous.statistics, statistics)
         counted = previous.calls
         for call, w in slot.calls.items():
             if call not in counted:

@@ -27,7 +27,7 @@ import operator
 import warnings
 from abc import abstractmethod
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from itertools import chain, repeat
 from typing import Any, ClassVar
 
@@ -63,15 +63,19 @@ from .finite import (
     skip_message,
     statistics_tensors,
 )
+from .grouped import positions_by
 from .loss_scale import stepping_scaler
 from .norm_fisher import norm_step
 from .precondition import precondition_layers, precondition_shards
 from .rule import LayerRule, scheduled
 from .scale_out import DEFAULT_BUCKET_CAP_MB, ScaleOut, Shards
-from .statistics import StatisticsNormaliser
+from .statistics import StatisticsNormaliser, UnscaledDiagonal, scale_unscaled
 
 _LAYOUT = operator.attrgetter("layout")
 _GRAD = operator.attrgetter("grad")
+_WEIGHT = operator.attrgetter("weight")
+# a statistics plan's (optimizer state, weight state) (:meth:`_plan_statistics`)
+_PLAN_STATES, _PLAN_STATE = operator.itemgetter(4), operator.itemgetter(5)
 _WEIGHT_GRAD = operator.attrgetter("weight.grad")
 _PARAMS = operator.itemgetter("params")
 _PRESENT = functools.partial(operator.is_not, None)  # x is not None, a C call
@@ -135,6 +139,8 @@ class KroneckerOptimizer(Optimizer):
         self._finite = FiniteCheck(reasons=4)
         self._late = LateVerdict()  # nonfinite='device': a skip's flags, reported late
         self._normalise = StatisticsNormaliser()
+        # (layers, their factors) of the last normalisation (:meth:`_statistic_factors`)
+        self._factors_found: tuple | None = None
         self._counter = LossTermCounter(type(self).__name__)
         self._undo = FactorUndo()
         self._capture: CurvatureCapture | None = None
@@ -298,6 +304,20 @@ class KroneckerOptimizer(Optimizer):
 
     # ---------------------------------------------------------- statistics
     # What the capture asks (singd_cuda.curvature.capture.CaptureOwner).
+    def _merge_statistics(self, layer: Layer, into: dict, new: dict) -> None:
+        """into += new: a later pass's statistics of ``layer`` committed onto the earlier
+        ones. Unscaled statistics (:class:`~.statistics.UnscaledDiagonal`) get their
+        factors first, so that the sum is of products, as within a pass."""
+        for side in ("in", "out"):
+            pair = [into.get(side), new.get(side)]
+            if None not in pair and UnscaledDiagonal in set(map(type, pair)):
+                group = self.group_of(layer)
+                rule, state = self.rule_for(group), self.state[layer.weight]
+                factors = rule.statistic_factors([layer], group, [state])
+                factor = factors[0 if side == "in" else 1][0]
+                scale_unscaled(pair, [factor, factor])
+        merge_statistics(into, new)
+
     def _wants_statistics(self, layer: Layer) -> bool:
         index = self._layer_group[layer]
         group = self.param_groups[index]
@@ -472,6 +492,18 @@ class KroneckerOptimizer(Optimizer):
                 self.state, self._layer_state(layer, group), rule, dtype, reader,
             )  # fmt: skip
 
+    def _planned_states(self, layers: list[Layer]) -> list[dict] | None:
+        """The weights' states of ``layers`` as their statistics plans hold them, by C
+        calls alone (a state look-up hashes the weight by a Python call); None where a
+        layer has no plan or the optimizer's state was replaced since (a plan goes with
+        a state restored by :meth:`_restore_created`)."""
+        plans = list(map(self._statistics_plans.get, layers))
+        if None in plans or not all(
+            map(operator.is_, map(_PLAN_STATES, plans), repeat(self.state))
+        ):
+            return None
+        return list(map(_PLAN_STATE, plans))
+
     def _layer_state(self, layer: Layer, group: dict) -> dict:
         """The weight's state; at the layer's first statistics its factors are created
         (replacing the fallback state its parameters had while waiting for them; a
@@ -636,7 +668,8 @@ class KroneckerOptimizer(Optimizer):
         averages = [group["loss_average"] for group in groups]
         by_layer = map(averages.__getitem__, self._layer_group.values())
         loss_averages = dict(zip(self._layer_group, by_layer, strict=True))
-        self._pending = self._normalise(self._capture.committed, loss_averages, stats_scale)
+        committed, factors = self._capture.committed, self._statistic_factors
+        self._pending = self._normalise(committed, loss_averages, stats_scale, factors)
         if self._sync is not None:
             grad_scale, found_inf = self._synchronise(grad_scale, found_inf)
         if self._created:  # states created by statistics discarded before the step (zero_grad)
@@ -807,7 +840,37 @@ class KroneckerOptimizer(Optimizer):
                 raise FloatingPointError(reason)
             warnings.warn(reason, RuntimeWarning, stacklevel=4)
 
+    def _statistic_factors(self, layers: list[Layer], side: str) -> Sequence[Tensor]:
+        """The elementwise factors of ``layers``' unscaled ``side`` statistics, in their
+        order (:meth:`~.rule.LayerRule.statistic_factors` of each group's rule); both
+        sides are found at once and kept for the other side's call with the same list."""
+        found = self._factors_found
+        if found is None or found[0] is not layers:
+            found = self._factors_found = (layers, self._factors_of(layers))
+        return found[1][0 if side == "in" else 1]
+
+    def _factors_of(self, layers: list[Layer]) -> tuple[Sequence[Tensor], Sequence[Tensor]]:
+        """(input side, output side) factors of ``layers``' unscaled statistics."""
+        indices = list(map(self._layer_group.__getitem__, layers))
+        states = self._planned_states(layers)
+        if states is None:
+            states = list(map(self.state.__getitem__, map(_WEIGHT, layers)))
+        parts = positions_by(indices)
+        if len(parts) == 1:
+            group = self.param_groups[indices[0]]
+            return self.rule_for(group).statistic_factors(layers, group, states)
+        sides: tuple[list, list] = ([None] * len(layers), [None] * len(layers))
+        for part in parts:
+            group = self.param_groups[indices[part[0]]]
+            members, member_states = [layers[i] for i in part], [states[i] for i in part]
+            found = self.rule_for(group).statistic_factors(members, group, member_states)
+            for side, factors in zip(sides, found, strict=True):
+                for i, factor in zip(part, factors, strict=True):
+                    side[i] = factor
+        return sides
+
     def _forget_statistics(self) -> None:
+        self._factors_found = None
         self._created.clear()
         self._pending = {}
         self._undo.clear()

@@ -16,7 +16,7 @@ ownership and FSDP2 shards.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 from torch import Tensor
@@ -153,6 +153,14 @@ class LayerRule(ABC):
         multiplies them elementwise may fold that into the two reductions instead."""
         h = sums.inputs(layer_input, dtype, weight)
         self.accumulate_diagonal(layer, group, state, pending, h, sums.outputs(grad_output, dtype))
+
+    def statistic_factors(
+        self, layers: list[Layer], group: dict, states: list[dict]
+    ) -> tuple[Sequence[Tensor], Sequence[Tensor]]:
+        """The elementwise factors of each layer's unscaled statistics
+        (:class:`~.statistics.UnscaledDiagonal`), input side and output side, for rules
+        that capture them: each a list, or a stack whose rows they are."""
+        raise NotImplementedError
 
     def fuses_apply(self, group: dict) -> bool:
         """True when :meth:`apply_many` updates the group's layers (in one fused pass)."""

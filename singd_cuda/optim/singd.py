@@ -41,6 +41,7 @@ from .grouped import (
 )
 from .rule import LayerRule, add_statistics, scheduled
 from .scale_out import DEFAULT_BUCKET_CAP_MB
+from .statistics import UnscaledDiagonal, scale_unscaled
 from .write import sgd_update_
 
 StructureSpec = str | type[StructuredMatrix]
@@ -163,19 +164,44 @@ class SingdRule(LayerRule):
         k2, c2 = squares.k2, squares.c2
         if k2.dtype is not h.dtype or c2.dtype is not s.dtype:  # (a no-op .to costs a call)
             k2, c2 = k2.to(h.dtype), c2.to(s.dtype)
+        _scale_first_call(pending, k2, c2)
         _add_diagonals(pending, h.mul_(k2), s.mul_(c2))
 
     def accumulate_diagonal_sums(
         self, layer, group, state, pending, sums, layer_input, grad_output, dtype, weight
     ) -> None:
-        """:meth:`accumulate_diagonal` with k² and c² multiplied in by the reductions
-        themselves (bitwise the same products, two ops fewer)."""
+        """:meth:`accumulate_diagonal`; a pass's first call of the layer keeps the sums
+        alone (:class:`~.statistics.UnscaledDiagonal`: the step multiplies k² and c² into
+        the gathered stacks), later ones have them multiplied in by the reductions
+        themselves (bitwise the same products), after the first call's."""
+        if "in" not in pending:
+            h = sums.inputs(layer_input, dtype, weight)
+            s = sums.outputs(grad_output, dtype)
+            # UnscaledDiagonal(d, diag=...) without its __init__ (which checks the part
+            # names: two Python calls a matrix, on every layer call)
+            H_K, H_C = object.__new__(UnscaledDiagonal), object.__new__(UnscaledDiagonal)
+            H_K.dim, H_K.parts = h.shape[0], {"diag": h}
+            H_C.dim, H_C.parts = s.shape[0], {"diag": s}
+            pending["in"], pending["out"] = H_K, H_C
+            return
         squares = self._squares.get(layer, (state["C"]["diag"], state["K"]["diag"]), _squares)
         k2, c2 = squares.k2, squares.c2
         if k2.dtype is not dtype or c2.dtype is not dtype:  # (a no-op .to costs a call)
             k2, c2 = k2.to(dtype), c2.to(dtype)
+        _scale_first_call(pending, k2, c2)
         h = sums.inputs(layer_input, dtype, weight, k2)
         _add_diagonals(pending, h, sums.outputs(grad_output, dtype, c2))
+
+    def statistic_factors(self, layers, group, states) -> tuple:
+        """(k², c²) of each layer's factors, in the accumulation dtype: the stacks of them
+        (rows in the order of ``layers``) where the factors are the rows of kept stacks,
+        else lists."""
+        stacks = self._resident.kept(layers, states) if len(layers) > 1 else None
+        if stacks is not None:
+            squares = self._stacked_squares_of(layers, states, stacks)
+            return squares.k2, squares.c2
+        rows = self._diagonal_squares(layers, group, states)
+        return list(map(_K2, rows)), list(map(_C2, rows))
 
     def fuses_apply(self, group: dict) -> bool:
         return True
@@ -578,6 +604,7 @@ class SingdRule(LayerRule):
 
 _SIDES = ("K", "m_K", "C", "m_C")
 _DTYPE = operator.attrgetter("dtype")
+_K2, _C2 = operator.attrgetter("k2"), operator.attrgetter("c2")
 # a pending diagonal statistic's vector is pending[side].parts["diag"]
 _IN, _OUT = operator.itemgetter("in"), operator.itemgetter("out")
 _PARTS, _DIAG = operator.attrgetter("parts"), operator.itemgetter("diag")
@@ -691,6 +718,14 @@ class DiagonalSquares(NamedTuple):
     rounded: tuple[Tensor, Tensor] | None
     trace_parts: tuple[Tensor, Tensor]
     mean_parts: tuple[Tensor, Tensor]
+
+
+def _scale_first_call(pending: dict, k2: Tensor, c2: Tensor) -> None:
+    """Multiply k² and c² into a pass's first statistics of a layer where it kept them
+    unscaled (:meth:`SingdRule.accumulate_diagonal_sums`), before a later call adds to
+    them: the statistics are sums of each call's products."""
+    if type(pending.get("in")) is UnscaledDiagonal:
+        scale_unscaled([pending["in"], pending["out"]], [k2, c2])
 
 
 def _add_diagonals(pending: dict, h: Tensor, s: Tensor) -> None:

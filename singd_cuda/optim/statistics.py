@@ -5,12 +5,18 @@ terms w, the output side without √L) and the total w of the calls it committed
 (:class:`~singd_cuda.curvature.capture.Committed`). Normalising divides the input side
 by w, multiplies the output side by w (for a loss averaged over its terms) and removes
 the loss scale, with one multi-tensor multiply per (factor, device, dtype).
+
+A diagonal statistic may arrive *unscaled* (:class:`UnscaledDiagonal`): SINGD's diagonal
+statistic of a call is k² ⊙ diag(aᵀa) (c² ⊙ diag(gᵀg)), and the factor k² depends only on
+the layer's factors, not on the live activations, so a layer's first call stores the
+sums alone and the normaliser multiplies the factors in as it gathers the statistics: one
+multiply per stack, before any other use, the same products as each call's.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from itertools import repeat
 
 import torch
@@ -18,7 +24,8 @@ from torch import Tensor
 
 from ..curvature.layers import Layer
 from ..structures.base import ACCUMULATES_IN, HALF_DTYPES, PLAIN, StructuredMatrix, parts_of
-from .grouped import GatheredRows
+from ..structures.diagonal import Diagonal
+from .grouped import GatheredRows, KnownStacks
 
 _DEVICE_DTYPE = operator.attrgetter("device", "dtype")
 _DTYPE = operator.attrgetter("dtype")
@@ -27,33 +34,76 @@ _STATISTICS = operator.attrgetter("statistics")
 _IN, _OUT = operator.itemgetter("in"), operator.itemgetter("out")
 _PARTS = operator.attrgetter("parts")
 
+# factors(layers, side) -> the elementwise factor of each layer's unscaled ``side``
+# ("in" or "out") statistic, in the order of ``layers``: a list, or a stack of them as rows
+Factors = Callable[[Sequence[Layer], str], Sequence[Tensor]]
+
+
+class UnscaledDiagonal(Diagonal):
+    """A diagonal statistic diag(h) still to be multiplied elementwise by its factor
+    (what its owner's :data:`Factors` gives: SINGD's k² on the input side, c² on the
+    output side, in the accumulation dtype). Made by the capture of a layer's first call;
+    multiplying the factor in (:func:`scale_unscaled`) makes it a :class:`Diagonal` (its
+    class is set to that), so that it is multiplied once, and before any sum of calls."""
+
+
+def scale_unscaled(statistics: Sequence, factors: Sequence[Tensor]) -> None:
+    """Multiply each :class:`UnscaledDiagonal` of ``statistics`` by its factor (the one at
+    its position, of a list or the rows of a stack; others are left alone), in place,
+    and make it a :class:`Diagonal`."""
+    picked = [i for i, s in enumerate(statistics) if type(s) is UnscaledDiagonal]
+    if not picked:
+        return
+    vectors = [statistics[i].parts["diag"] for i in picked]
+    torch._foreach_mul_(vectors, _in_dtypes([factors[i] for i in picked], vectors))
+    for i in picked:
+        statistics[i].__class__ = Diagonal
+
+
+def _in_dtypes(factors: Sequence[Tensor], vectors: Sequence[Tensor]) -> list[Tensor]:
+    """Each factor in its vector's dtype (a copy only where they differ): the product
+    is taken in the statistic's dtype."""
+    return [
+        f if f.dtype is v.dtype else f.to(v.dtype) for f, v in zip(factors, vectors, strict=True)
+    ]
+
 
 class StatisticsNormaliser:
     """Normalises committed statistics in place; keeps its 0-dim scalars between steps."""
 
     def __init__(self) -> None:
+        self._known = KnownStacks()  # the factors' stack, when they are the rows of one
         self._scalars: dict[tuple, Tensor] = {}
         self._rows = GatheredRows()
         # after a call: stacks whose rows are every statistic it returned (None: not all)
         self.stacks: list[Tensor] | None = None
 
     def __call__(
-        self, committed: dict, loss_averages: Mapping[Layer, str | None], loss_scale
+        self,
+        committed: dict,
+        loss_averages: Mapping[Layer, str | None],
+        loss_scale,
+        factors: Factors | None = None,
     ) -> dict[Layer, dict]:
         """{layer: statistics} of the layers whose committed calls held a sample (w > 0),
         normalised in place, in the order of ``loss_averages`` (the optimizer's layers:
         that of the factor stacks, not the backward pass's). ``committed``: the
         capture's {layer: Committed}; ``loss_averages``: each layer's group's
         ``loss_average``; ``loss_scale``: the factor on the captured output gradients (a
-        tensor, or None)."""
+        tensor, or None); ``factors``: those of :class:`UnscaledDiagonal` statistics
+        (none may come without it)."""
         self.stacks = None
         order = list(filter(committed.__contains__, loss_averages))
         if len(order) != len(committed):  # (layers it does not know: as committed)
             order = list(committed)
-        pending = self._uniform(committed, order, loss_averages, loss_scale)
+        pending = self._uniform(committed, order, loss_averages, loss_scale, factors)
         if pending is not None:
             return pending
         pending = {}
+        for side in ("in", "out"):
+            holding = [layer for layer in order if side in committed[layer].statistics]
+            values = [committed[layer].statistics[side] for layer in holding]
+            _scale_each(side, holding, values, factors)
         # (factor, scaled by the loss scale) -> statistics: one multiply per group below
         scaled: dict[tuple[float, bool], list] = {}
         for layer in order:
@@ -78,6 +128,7 @@ class StatisticsNormaliser:
         order: list[Layer],
         loss_averages: Mapping[Layer, str | None],
         loss_scale,
+        factors: Factors | None = None,
     ) -> dict[Layer, dict] | None:
         """:meth:`__call__` by C calls, no loop over the layers, in the common case: every
         layer committed the same w > 0, has both sides and has one ``loss_average``; None
@@ -91,7 +142,8 @@ class StatisticsNormaliser:
         averages = set(map(loss_averages.__getitem__, order))
         if len(averages) != 1 or not all(map(operator.contains, statistics, repeat("in"))):
             return None
-        in_stacks, out_stacks = self._gathered("in", statistics), self._gathered("out", statistics)
+        in_stacks = self._gathered("in", order, statistics, factors)
+        out_stacks = self._gathered("out", order, statistics, factors)
         terms = terms[0]
         if terms != 1.0:
             self._scale_(in_stacks or list(map(_IN, statistics)), 1.0 / terms, None)
@@ -102,7 +154,9 @@ class StatisticsNormaliser:
             self.stacks = in_stacks + out_stacks
         return dict(zip(order, statistics, strict=True))
 
-    def _gathered(self, side: str, statistics: list[dict]) -> list[Tensor]:
+    def _gathered(
+        self, side: str, layers: list[Layer], statistics: list[dict], factors: Factors | None
+    ) -> list[Tensor]:
         """The stacks (:class:`~.grouped.GatheredRows`) now holding the ``side`` of every
         layer's ``statistics``, each layer's tensor replaced by its row (a view, equal
         values): for plain tensors (K-FAC's Gram matrices and AdaFisher's vectors, which
@@ -110,9 +164,11 @@ class StatisticsNormaliser:
         part is a vector (the diagonal: its consumers are elementwise and sums, which a
         row computes as a vector); not for SINGD's matrix parts, which meet GEMMs that may
         round differently at a row's offset. Empty (nothing changed) for other
-        statistics."""
+        statistics. Unscaled statistics come out scaled either way (each stack of them by
+        one multiply where their factors are the rows of one stack)."""
         values = list(map(operator.itemgetter(side), statistics))
         kinds = set(map(type, values))
+        unscaled = kinds == {UnscaledDiagonal}
         if kinds == PLAIN:
             tensors, holders, key = values, statistics, side
         elif len(kinds) == 1 and _one_part(next(iter(kinds))):
@@ -120,15 +176,31 @@ class StatisticsNormaliser:
             holders = list(map(_PARTS, values))
             tensors = list(map(operator.itemgetter(key), holders))
             if set(map(Tensor.dim, tensors)) != {1}:
-                return []
+                return _scaled_alone(side, layers, values, kinds, factors)
         else:
-            return []
+            return _scaled_alone(side, layers, values, kinds, factors)
+        layer_factors = factors(layers, side) if unscaled else None
         stacks = []
         for positions, stack, rows in self._rows(f"{side}.{key}", tensors):
-            members = holders if len(positions) == len(holders) else [holders[i] for i in positions]
+            everyone = len(positions) == len(holders)
+            members = holders if everyone else [holders[i] for i in positions]
             list(map(operator.setitem, members, repeat(key), rows))
+            if layer_factors is not None:
+                own = layer_factors if everyone else [layer_factors[i] for i in positions]
+                self._scale_stack(stack, rows, own)
             stacks.append(stack)
+        if unscaled:  # (C calls alone)
+            list(map(setattr, values, repeat("__class__"), repeat(Diagonal)))
         return stacks
+
+    def _scale_stack(self, stack: Tensor, rows: list[Tensor], factors: Sequence[Tensor]) -> None:
+        """stack (its ``rows``) ⊙= the factors: one multiply when they are a stack, or the
+        rows of one, of the same shape, else one multi-tensor multiply."""
+        known = factors if isinstance(factors, Tensor) else self._known(factors)
+        if known is not None and known.shape == stack.shape:
+            stack.mul_(known if known.dtype is stack.dtype else known.to(stack.dtype))
+        else:
+            torch._foreach_mul_(rows, _in_dtypes(list(factors), rows))
 
     def _scale_(self, statistics: list, factor: float, loss_scale: Tensor | None) -> None:
         """statistic *= factor / loss_scale² for each of ``statistics`` (tensors or
@@ -171,6 +243,25 @@ class StatisticsNormaliser:
         if loss_scale is None:
             return scalar  # (its key holds its value, which nothing writes)
         return scalar.copy_(loss_scale.reshape(())).reciprocal_().square_().mul_(factor)
+
+
+def _scaled_alone(
+    side: str, layers: list[Layer], values: list, kinds: set, factors: Factors | None
+) -> list:
+    """:meth:`StatisticsNormaliser._gathered`'s empty answer: nothing gathered, the
+    unscaled ``values`` (if any) scaled one by one."""
+    if UnscaledDiagonal in kinds:
+        _scale_each(side, layers, values, factors)
+    return []
+
+
+def _scale_each(side: str, layers: list[Layer], values: list, factors: Factors | None) -> None:
+    """Scale the unscaled ones of ``values`` (the ``side`` statistics of ``layers``), with
+    the factors of their layers alone."""
+    picked = [i for i, value in enumerate(values) if type(value) is UnscaledDiagonal]
+    if picked:
+        found = factors([layers[i] for i in picked], side)
+        scale_unscaled([values[i] for i in picked], found)
 
 
 def _one_part(kind: type) -> bool:
