@@ -12,6 +12,7 @@ half and float64 factors (a factor dtype other than the statistics')."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -169,3 +170,33 @@ def test_a_first_call_is_kept_unscaled_and_the_step_scales_it():
         assert type(H_K) is Diagonal and type(H_C) is Diagonal
         assert torch.equal(H_K.parts["diag"], expected[layer][0])
         assert torch.equal(H_C.parts["diag"], expected[layer][1])
+
+
+def test_statistics_captured_before_a_load_get_the_loaded_factors():
+    """A pass's first-call statistics meet k² and c² at the step, so a pass before a
+    ``load_state_dict`` gives the step what the same pass after it gives (the docs'
+    checkpoints page)."""
+    x, y = torch.randn(12, 6), torch.randint(0, 3, (12,))
+    loss = nn.functional.cross_entropy
+    runs = []
+    for load_first in (False, True):
+        torch.manual_seed(0)
+        model = stack_of_equal()
+        opt = SINGD(model, structures="diagonal", lr=0.05, lr_cov=0.1, T=1)
+        saved = None
+        for step in range(4):
+            if step == 2:
+                saved = copy.deepcopy(opt.state_dict())
+            opt.zero_grad()
+            loss(model(x), y).backward()
+            opt.step()
+        opt.zero_grad()
+        if load_first:
+            opt.load_state_dict(saved)
+        loss(model(x), y).backward()
+        if not load_first:
+            opt.load_state_dict(saved)
+        opt.step()
+        runs.append((model, opt))
+    assert_models_equal(runs[0][0], runs[1][0])
+    assert_states_equal(runs[0][1].state_dict(), runs[1][1].state_dict())
