@@ -768,8 +768,7 @@ def _square_buffers(c: Tensor, k: Tensor) -> DiagonalSquares:
 class _StackedSquares(NamedTuple):
     """The :class:`DiagonalSquares` of L layers as the rows of stacked buffers: c² (L, d_C),
     k² (L, d_K), traces and means (L, 2), the shared inv_dims (2,), rounded (storage
-    dtype; half storage only), the row sums' scratch and ``rows``, each layer's
-    DiagonalSquares of row views."""
+    dtype; half storage only) and ``rows``, each layer's DiagonalSquares of row views."""
 
     c2: Tensor
     k2: Tensor
@@ -777,7 +776,6 @@ class _StackedSquares(NamedTuple):
     means: Tensor
     inv_dims: Tensor
     rounded: tuple[Tensor, Tensor] | None
-    sums: Tensor  # (2, L, 1): the row sums, before they go into traces
     rows: list[DiagonalSquares]
 
 
@@ -834,18 +832,18 @@ def _stacked_square_buffers(C: Tensor, K: Tensor) -> _StackedSquares:
         )
         for i in range(C.shape[0])
     ]
-    sums = c2.new_empty((2, len(rows), 1))
-    return _StackedSquares(c2, k2, traces, means, inv_dims, rounded, sums, rows)
+    return _StackedSquares(c2, k2, traces, means, inv_dims, rounded, rows)
 
 
 def _fill_stacked_squares(C: Tensor, K: Tensor, out: _StackedSquares) -> None:
     """:func:`_fill_squares` of every row at once, bitwise: the squares elementwise, the
     traces by row sums (on the CPU, where a row of a stack reduces as a vector does, as
     :class:`~.grouped.StackedSums` relies on; one sum per row elsewhere)."""
-    out.c2.copy_(C)
-    out.k2.copy_(K)
-    out.c2.mul_(out.c2)
-    out.k2.mul_(out.k2)
+    for factor, square in ((C, out.c2), (K, out.k2)):
+        if factor.dtype is square.dtype:  # (the copy's multiply, without the copy)
+            torch.mul(factor, factor, out=square)
+        else:
+            square.copy_(factor).mul_(square)
     stored = (out.c2, out.k2)
     if out.rounded is not None:
         for rounded, square in zip(out.rounded, stored, strict=True):
@@ -854,9 +852,7 @@ def _fill_stacked_squares(C: Tensor, K: Tensor, out: _StackedSquares) -> None:
     for side, vectors in enumerate(stored):
         column = out.traces[:, side : side + 1]
         if vectors.device.type == "cpu":
-            sums = out.sums[side]
-            torch.sum(vectors, 1, keepdim=True, dtype=sums.dtype, out=sums)
-            column.copy_(sums)
+            torch.sum(vectors, 1, keepdim=True, dtype=column.dtype, out=column)
         else:
             for vector, trace in zip(vectors, column, strict=True):
                 torch.sum(vector, 0, keepdim=True, dtype=trace.dtype, out=trace)
