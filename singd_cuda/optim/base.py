@@ -141,6 +141,7 @@ class KroneckerOptimizer(Optimizer):
         self._normalise = StatisticsNormaliser()
         # (layers, their factors) of the last normalisation (:meth:`_statistic_factors`)
         self._factors_found: tuple | None = None
+        self._kept_params_states: tuple | None = None  # (:meth:`_params_states`)
         self._counter = LossTermCounter(type(self).__name__)
         self._undo = FactorUndo()
         self._capture: CurvatureCapture | None = None
@@ -504,6 +505,24 @@ class KroneckerOptimizer(Optimizer):
             return None
         return list(map(_PLAN_STATE, plans))
 
+    def _params_states(self, layers: list[Layer]) -> list[list[dict]]:
+        """The states of each layer's parameters (created empty where missing), kept for
+        the next call with the same layers, by C calls alone then (a state look-up hashes
+        the parameter by a Python call), while the state dict is the same object: the
+        optimizer replaces a parameter's state only in a new one (``load_state_dict``)
+        or when it restores a state (:meth:`_restore_created`, which forgets these)."""
+        kept = self._kept_params_states
+        if (
+            kept is not None
+            and kept[0] is self.state
+            and len(kept[1]) == len(layers)
+            and all(map(operator.is_, layers, kept[1]))
+        ):
+            return kept[2]
+        found = [list(map(self.state.__getitem__, layer.params)) for layer in layers]
+        self._kept_params_states = (self.state, list(layers), found)
+        return found
+
     def _layer_state(self, layer: Layer, group: dict) -> dict:
         """The weight's state; at the layer's first statistics its factors are created
         (replacing the fallback state its parameters had while waiting for them; a
@@ -526,6 +545,7 @@ class KroneckerOptimizer(Optimizer):
         return layer in self._pending or (bool(state) and not in_fallback(state))
 
     def _restore_created(self, layers: Iterable[Layer]) -> None:
+        self._kept_params_states = None  # (a restored state is a new object)
         for layer in layers:
             self._statistics_plans.pop(layer, None)  # it holds the state replaced here
             for param, previous in self._created.pop(layer, ()):

@@ -30,10 +30,9 @@ def precondition_layers(
     unscaled when None); rules that fuse update their group's layers in one pass.
     ``found_inf``: None, or the step's skip flag decided on the device (every write
     consumes it). ``opt``: a KroneckerOptimizer."""
-    groups, opt_state = opt.param_groups, opt.state
+    groups = opt.param_groups
     indices = list(map(opt._layer_group.__getitem__, layers))
-    # each layer's parameters' states (created empty where missing), C calls a layer
-    layer_states = [list(map(opt_state.__getitem__, layer.params)) for layer in layers]
+    layer_states = opt._params_states(layers)  # each layer's parameters' states
     parts = positions_by(indices)  # per parameter group
     one_group = len(parts) == 1
     fused = []  # per group that fuses: (group, rule, its layers, their states)
