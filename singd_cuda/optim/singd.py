@@ -196,10 +196,9 @@ class SingdRule(LayerRule):
         """(k², c²) of each layer's factors, in the accumulation dtype: the stacks of them
         (rows in the order of ``layers``) where the factors are the rows of kept stacks,
         else lists."""
-        stacks = self._resident.kept(layers, states) if len(layers) > 1 else None
-        if stacks is not None:
-            squares = self._stacked_squares_of(layers, states, stacks)
-            return squares.k2, squares.c2
+        kept = self._kept_squares(layers, states)
+        if kept is not None:
+            return kept.k2, kept.c2
         rows = self._diagonal_squares(layers, group, states)
         return list(map(_K2, rows)), list(map(_C2, rows))
 
@@ -256,18 +255,18 @@ class SingdRule(LayerRule):
         whose factors are the rows of kept stacks (:class:`~.grouped.ResidentStacks`, a
         group of one :meth:`group_key`) have theirs as the rows of stacked buffers, filled
         a few calls for all (:func:`_fill_stacked_squares`); others as one batch."""
-        stacks = self._resident.kept(layers, states) if len(layers) > 1 else None
-        if stacks is not None:
-            return self._stacked_squares_of(layers, states, stacks).rows
+        kept = self._kept_squares(layers, states)
+        if kept is not None:
+            return kept.rows
         parts = [list(range(len(layers)))]
         if len(layers) > 1:  # a group's layers of several shapes: stacks per key
             parts = self._parts(layers, group, states)
         squares: list[DiagonalSquares | None] = [None] * len(layers)
         for part in parts:
             members, member_states = [layers[i] for i in part], [states[i] for i in part]
-            stacks = self._resident.kept(members, member_states) if len(part) > 1 else None
-            if stacks is not None:
-                found = self._stacked_squares_of(members, member_states, stacks).rows
+            kept = self._kept_squares(members, member_states)
+            if kept is not None:
+                found = kept.rows
             else:
                 sources = [(state["C"]["diag"], state["K"]["diag"]) for state in member_states]
                 found, positions = self._squares.get_many(
@@ -277,6 +276,12 @@ class SingdRule(LayerRule):
             for i, value in zip(part, found, strict=True):
                 squares[i] = value
         return squares
+
+    def _kept_squares(self, layers, states) -> _StackedSquares | None:
+        """The :class:`_StackedSquares` of two or more layers whose factors are the rows of
+        kept stacks (:meth:`~.grouped.ResidentStacks.kept`), else None."""
+        stacks = self._resident.kept(layers, states) if len(layers) > 1 else None
+        return None if stacks is None else self._stacked_squares_of(layers, states, stacks)
 
     def _stacked_squares_of(self, layers, states, stacks: dict) -> _StackedSquares:
         """The :class:`_StackedSquares` of layers whose factors are the rows of
