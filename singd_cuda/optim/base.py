@@ -493,16 +493,16 @@ class KroneckerOptimizer(Optimizer):
                 self.state, self._layer_state(layer, group), rule, dtype, reader,
             )  # fmt: skip
 
-    def _planned_states(self, layers: list[Layer]) -> list[dict] | None:
-        """The weights' states of ``layers`` as their statistics plans hold them, by C
-        calls alone (a state look-up hashes the weight by a Python call); None where a
-        layer has no plan or the optimizer's state was replaced since (a plan goes with
-        a state restored by :meth:`_restore_created`)."""
+    def _weights_states(self, layers: list[Layer]) -> list[dict]:
+        """The weights' states of ``layers`` (created empty where missing, as a look-up of
+        ``state`` does): as their statistics plans hold them, by C calls alone, where every
+        layer has a plan made with this state dict (a state look-up hashes the weight by a
+        Python call; a plan goes with a state restored by :meth:`_restore_created`)."""
         plans = list(map(self._statistics_plans.get, layers))
         if None in plans or not all(
             map(operator.is_, map(_PLAN_STATES, plans), repeat(self.state))
         ):
-            return None
+            return list(map(self.state.__getitem__, map(_WEIGHT, layers)))
         return list(map(_PLAN_STATE, plans))
 
     def _params_states(self, layers: list[Layer]) -> list[list[dict]]:
@@ -872,9 +872,7 @@ class KroneckerOptimizer(Optimizer):
     def _factors_of(self, layers: list[Layer]) -> tuple[Sequence[Tensor], Sequence[Tensor]]:
         """(input side, output side) factors of ``layers``' unscaled statistics."""
         indices = list(map(self._layer_group.__getitem__, layers))
-        states = self._planned_states(layers)
-        if states is None:
-            states = list(map(self.state.__getitem__, map(_WEIGHT, layers)))
+        states = self._weights_states(layers)
         parts = positions_by(indices)
         if len(parts) == 1:
             group = self.param_groups[indices[0]]

@@ -18,8 +18,6 @@ from .finite import FACTORS
 from .grouped import positions_by, stack_parts
 from .rule import LayerRule
 
-_WEIGHT = operator.attrgetter("weight")
-
 
 def update_factors(opt: Optimizer, layers: list[Layer]) -> None:
     """Update the factors of those of ``layers`` that have statistics this step
@@ -76,10 +74,8 @@ def _untouched(groups, rules, indices, parts, states) -> tuple[str, ...]:
 def _weight_states(opt: Optimizer, layers: list[Layer]) -> list[dict]:
     """The weights' states of ``layers`` (:meth:`_layer_state`: the factors of a layer at
     its first statistics are created there), by C calls alone when every layer has its
-    factors already and a statistics plan (:meth:`_planned_states`)."""
-    states = opt._planned_states(layers)
-    if states is None:
-        states = list(map(opt.state.__getitem__, map(_WEIGHT, layers)))
+    factors already (:meth:`_weights_states`)."""
+    states = opt._weights_states(layers)
     if all(states) and not any(map(operator.contains, states, repeat(FALLBACK_KEY))):
         return states
     groups, layer_group = opt.param_groups, opt._layer_group

@@ -1,5 +1,5 @@
-"""The step's kept state look-ups (``_planned_states``: the weights' states through their
-statistics plans; ``_params_states``: each layer's parameter states, kept between steps)
+"""The step's state look-ups by C calls (``_weights_states``: the weights' states through
+their statistics plans; ``_params_states``: each layer's parameter states, kept between steps)
 are the optimizer's state objects at every step: after ordinary steps, a skipped first
 step that restores the states it created, a ``load_state_dict`` (new state objects), and
 a group added after construction."""
@@ -29,9 +29,8 @@ def assert_current(opt) -> None:
     kept = opt._params_states(layers)
     for layer, states in zip(layers, kept, strict=True):
         assert all(s is opt.state[p] for s, p in zip(states, layer.params, strict=True))
-    planned = opt._planned_states(layers)
-    if planned is not None:
-        assert all(s is opt.state[layer.weight] for s, layer in zip(planned, layers, strict=True))
+    weights = opt._weights_states(layers)
+    assert all(s is opt.state[layer.weight] for s, layer in zip(weights, layers, strict=True))
 
 
 def step(model, opt, poison: bool = False) -> None:
