@@ -139,8 +139,6 @@ class KroneckerOptimizer(Optimizer):
         self._finite = FiniteCheck(reasons=4)
         self._late = LateVerdict()  # nonfinite='device': a skip's flags, reported late
         self._normalise = StatisticsNormaliser()
-        # (layers, their factors) of the last normalisation (:meth:`_statistic_factors`)
-        self._factors_found: tuple | None = None
         self._kept_params_states: tuple | None = None  # (:meth:`_params_states`)
         self._counter = LossTermCounter(type(self).__name__)
         self._undo = FactorUndo()
@@ -309,14 +307,11 @@ class KroneckerOptimizer(Optimizer):
         """into += new: a later pass's statistics of ``layer`` committed onto the earlier
         ones. Unscaled statistics (:class:`~.statistics.UnscaledDiagonal`) get their
         factors first, so that the sum is of products, as within a pass."""
-        for side in ("in", "out"):
-            pair = [into.get(side), new.get(side)]
-            if None not in pair and UnscaledDiagonal in set(map(type, pair)):
-                group = self.group_of(layer)
-                rule, state = self.rule_for(group), self.state[layer.weight]
-                factors = rule.statistic_factors([layer], group, [state])
-                factor = factors[0 if side == "in" else 1][0]
-                scale_unscaled(pair, [factor, factor])
+        pairs = [[into.get(side), new.get(side)] for side in ("in", "out")]
+        if any(None not in pair and UnscaledDiagonal in set(map(type, pair)) for pair in pairs):
+            for pair, (factor,) in zip(pairs, self._statistic_factors([layer]), strict=True):
+                if None not in pair:
+                    scale_unscaled(pair, [factor, factor])
         merge_statistics(into, new)
 
     def _wants_statistics(self, layer: Layer) -> bool:
@@ -860,17 +855,9 @@ class KroneckerOptimizer(Optimizer):
                 raise FloatingPointError(reason)
             warnings.warn(reason, RuntimeWarning, stacklevel=4)
 
-    def _statistic_factors(self, layers: list[Layer], side: str) -> Sequence[Tensor]:
-        """The elementwise factors of ``layers``' unscaled ``side`` statistics, in their
-        order (:meth:`~.rule.LayerRule.statistic_factors` of each group's rule); both
-        sides are found at once and kept for the other side's call with the same list."""
-        found = self._factors_found
-        if found is None or found[0] is not layers:
-            found = self._factors_found = (layers, self._factors_of(layers))
-        return found[1][0 if side == "in" else 1]
-
-    def _factors_of(self, layers: list[Layer]) -> tuple[Sequence[Tensor], Sequence[Tensor]]:
-        """(input side, output side) factors of ``layers``' unscaled statistics."""
+    def _statistic_factors(self, layers: list[Layer]) -> tuple[Sequence, Sequence]:
+        """(input side, output side) elementwise factors of ``layers``' unscaled statistics,
+        in their order (:meth:`~.rule.LayerRule.statistic_factors` of each group's rule)."""
         indices = list(map(self._layer_group.__getitem__, layers))
         states = self._weights_states(layers)
         parts = positions_by(indices)
@@ -888,7 +875,6 @@ class KroneckerOptimizer(Optimizer):
         return sides
 
     def _forget_statistics(self) -> None:
-        self._factors_found = None
         self._created.clear()
         self._pending = {}
         self._undo.clear()

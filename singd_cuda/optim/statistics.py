@@ -34,9 +34,11 @@ _STATISTICS = operator.attrgetter("statistics")
 _IN, _OUT = operator.itemgetter("in"), operator.itemgetter("out")
 _PARTS = operator.attrgetter("parts")
 
-# factors(layers, side) -> the elementwise factor of each layer's unscaled ``side``
-# ("in" or "out") statistic, in the order of ``layers``: a list, or a stack of them as rows
-Factors = Callable[[Sequence[Layer], str], Sequence[Tensor]]
+# factors(layers) -> (input side, output side): the elementwise factor of each layer's
+# unscaled statistic of that side, in the order of ``layers``: a list, or a stack of them
+# as rows
+Factors = Callable[[Sequence[Layer]], tuple[Sequence[Tensor], Sequence[Tensor]]]
+_SIDE = {"in": 0, "out": 1}  # a side's place in a Factors answer
 
 
 class UnscaledDiagonal(Diagonal):
@@ -142,8 +144,9 @@ class StatisticsNormaliser:
         averages = set(map(loss_averages.__getitem__, order))
         if len(averages) != 1 or not all(map(operator.contains, statistics, repeat("in"))):
             return None
-        in_stacks = self._gathered("in", order, statistics, factors)
-        out_stacks = self._gathered("out", order, statistics, factors)
+        found: list[tuple] = []  # factors(order), asked once for both sides
+        in_stacks = self._gathered("in", order, statistics, factors, found)
+        out_stacks = self._gathered("out", order, statistics, factors, found)
         terms = terms[0]
         if terms != 1.0:
             self._scale_(in_stacks or list(map(_IN, statistics)), 1.0 / terms, None)
@@ -155,7 +158,12 @@ class StatisticsNormaliser:
         return dict(zip(order, statistics, strict=True))
 
     def _gathered(
-        self, side: str, layers: list[Layer], statistics: list[dict], factors: Factors | None
+        self,
+        side: str,
+        layers: list[Layer],
+        statistics: list[dict],
+        factors: Factors | None,
+        found: list[tuple],
     ) -> list[Tensor]:
         """The stacks (:class:`~.grouped.GatheredRows`) now holding the ``side`` of every
         layer's ``statistics``, each layer's tensor replaced by its row (a view, equal
@@ -165,7 +173,8 @@ class StatisticsNormaliser:
         row computes as a vector); not for SINGD's matrix parts, which meet GEMMs that may
         round differently at a row's offset. Empty (nothing changed) for other
         statistics. Unscaled statistics come out scaled either way (each stack of them by
-        one multiply where their factors are the rows of one stack)."""
+        one multiply where their factors are the rows of one stack); ``found`` keeps
+        ``factors(layers)`` for the other side."""
         values = list(map(operator.itemgetter(side), statistics))
         kinds = set(map(type, values))
         unscaled = kinds == {UnscaledDiagonal}
@@ -179,7 +188,11 @@ class StatisticsNormaliser:
                 return _scaled_alone(side, layers, values, kinds, factors)
         else:
             return _scaled_alone(side, layers, values, kinds, factors)
-        layer_factors = factors(layers, side) if unscaled else None
+        layer_factors = None
+        if unscaled:
+            if not found:
+                found.append(factors(layers))
+            layer_factors = found[0][_SIDE[side]]
         stacks = []
         for positions, stack, rows in self._rows(f"{side}.{key}", tensors):
             everyone = len(positions) == len(holders)
@@ -260,7 +273,7 @@ def _scale_each(side: str, layers: list[Layer], values: list, factors: Factors |
     the factors of their layers alone."""
     picked = [i for i, value in enumerate(values) if type(value) is UnscaledDiagonal]
     if picked:
-        found = factors([layers[i] for i in picked], side)
+        found = factors([layers[i] for i in picked])[_SIDE[side]]
         scale_unscaled([values[i] for i in picked], found)
 
 
