@@ -58,8 +58,13 @@ def scale_unscaled(statistics: Sequence, factors: Sequence[Tensor]) -> None:
         return
     vectors = [statistics[i].parts["diag"] for i in picked]
     torch._foreach_mul_(vectors, _in_dtypes([factors[i] for i in picked], vectors))
-    for i in picked:
-        statistics[i].__class__ = Diagonal
+    _now_scaled([statistics[i] for i in picked])
+
+
+def _now_scaled(statistics: Sequence[UnscaledDiagonal]) -> None:
+    """Make each of ``statistics``, its factor multiplied in, a :class:`Diagonal` (C calls
+    alone)."""
+    list(map(setattr, statistics, repeat("__class__"), repeat(Diagonal)))
 
 
 def _in_dtypes(factors: Sequence[Tensor], vectors: Sequence[Tensor]) -> list[Tensor]:
@@ -202,8 +207,8 @@ class StatisticsNormaliser:
                 own = layer_factors if everyone else [layer_factors[i] for i in positions]
                 self._scale_stack(stack, rows, own)
             stacks.append(stack)
-        if unscaled:  # (C calls alone)
-            list(map(setattr, values, repeat("__class__"), repeat(Diagonal)))
+        if unscaled:
+            _now_scaled(values)
         return stacks
 
     def _scale_stack(self, stack: Tensor, rows: list[Tensor], factors: Sequence[Tensor]) -> None:
