@@ -39,7 +39,7 @@ SCHEDULABLE = ("T", "damping", "lr_cov", "norm_damping")
 FACTOR_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 _UNREAD = ("params", "step")  # not hyperparameters: the parameters and the step counter
 _STATEFUL = ("structures", "factor_dtype", "norm_fisher")  # changes that concern the state
-_MISSING = object()  # what GroupWatch.changed reads for a key a group lost
+_MISSING = object()  # what GroupWatch.changed reads for a key a group lost (no value is it)
 
 
 def _is_number(value: Any) -> bool:
@@ -201,8 +201,8 @@ class GroupWatch:
             return set()
         changed = set()
         for key, value in snapshot.items():
-            current = group.get(key, snapshot)  # the snapshot itself: a missing key
-            if current is snapshot:
+            current = group.get(key, _MISSING)
+            if current is _MISSING:
                 return None
             if current is not value and not _equal(current, value):
                 changed.add(key)
