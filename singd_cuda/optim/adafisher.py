@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
+from itertools import chain, compress, repeat
+from operator import is_not
 from typing import Any, NamedTuple
 
 import torch
@@ -225,10 +227,10 @@ class KeptBatch:
     ) -> DiagonalBatch:
         """The batch of ``layers`` with the row and column scales of each (as
         :meth:`DiagonalBatch.add`), its lists kept from the last call where they hold."""
-        params = [p for layer in layers for p in layer.params]
-        grads = [p.grad for p in params]
-        present = [grad is not None for grad in grads]
-        bufs = [] if buf_key is None else [s.get(buf_key) for ss in states for s in ss]
+        params = list(chain.from_iterable(map(_PARAMS, layers)))
+        grads = list(map(_GRAD, params))
+        present = list(map(is_not, grads, repeat(None)))
+        bufs = [] if buf_key is None else self._bufs(states, buf_key)
         sources = [*params, *bufs, *rows, *cols]
         if (
             self._lists is not None
@@ -239,7 +241,7 @@ class KeptBatch:
             # the kept views would write into the old
             and list(map(Tensor.data_ptr, params)) == self._pointers
         ):
-            queued = [grad for grad in grads if grad is not None]
+            queued = list(compress(grads, present))
             if list(map(Tensor.stride, queued)) == self._strides:
                 batch = DiagonalBatch()
                 batch.params, batch.bufs, batch.rows, batch.cols = self._lists
@@ -257,8 +259,8 @@ class KeptBatch:
             batch.add(layer, layer_states, row, col, buf_key)
         self._lists = None
         if not batch._copies and None not in batch.grad_views:  # views only: keep
-            queued = [grad for grad in grads if grad is not None]
-            bufs = [] if buf_key is None else [s.get(buf_key) for ss in states for s in ss]
+            queued = list(compress(grads, present))
+            bufs = [] if buf_key is None else self._bufs(states, buf_key)
             self._sources = [*params, *bufs, *rows, *cols]  # (the buffers add created)
             self._present, self._strides = present, list(map(Tensor.stride, queued))
             self._pointers = list(map(Tensor.data_ptr, params))
@@ -269,6 +271,11 @@ class KeptBatch:
                 for grad, view in zip(queued, batch.grad_views, strict=True)
             ]
         return batch
+
+    @staticmethod
+    def _bufs(states: list[list[dict]], buf_key: str) -> list[Tensor | None]:
+        """Every parameter's ``state[buf_key]`` (None where missing), by C calls."""
+        return list(map(dict.get, chain.from_iterable(states), repeat(buf_key)))
 
 
 def _takes_as_is(grad: Tensor, view: tuple) -> bool:
@@ -337,6 +344,7 @@ def _stack_key(layer: Layer, state: dict) -> tuple:
 
 _SIDES = (("h", "in"), ("s", "out"))  # (EMA, its statistics in ``pending``)
 _FIRST, _STEP = operator.itemgetter(0), operator.itemgetter("step")
+_PARAMS, _GRAD = operator.attrgetter("params"), operator.attrgetter("grad")
 
 
 def _ema_each(states: list[dict], pendings: list[dict], weight: float) -> None:

@@ -51,7 +51,7 @@ from ..curvature.loss_terms import LossTermCounter
 from ..structures.base import accumulation_dtype
 from . import checkpoint, hyperparameters, recipe, scale_out, summary
 from .factor_update import update_factors
-from .fallback import fallback_step, in_fallback
+from .fallback import all_preconditioned, fallback_step, in_fallback
 from .finite import (
     GRADIENT,
     SCALER,
@@ -493,11 +493,17 @@ class KroneckerOptimizer(Optimizer):
         ``state`` does): as their statistics plans hold them, by C calls alone, where every
         layer has a plan made with this state dict (a state look-up hashes the weight by a
         Python call; a plan goes with a state restored by :meth:`_restore_created`)."""
+        states = self._planned_states(layers)
+        return list(map(self.state.__getitem__, map(_WEIGHT, layers))) if states is None else states
+
+    def _planned_states(self, layers: list[Layer]) -> list[dict] | None:
+        """The weights' states of ``layers`` as their statistics plans hold them, by C
+        calls alone, where every layer has a plan made with this state dict; else None."""
         plans = list(map(self._statistics_plans.get, layers))
         if None in plans or not all(
             map(operator.is_, map(_PLAN_STATES, plans), repeat(self.state))
         ):
-            return list(map(self.state.__getitem__, map(_WEIGHT, layers)))
+            return None
         return list(map(_PLAN_STATE, plans))
 
     def _params_states(self, layers: list[Layer]) -> list[list[dict]]:
@@ -755,9 +761,10 @@ class KroneckerOptimizer(Optimizer):
             grads = list(filter(_PRESENT, map(_GRAD, params)))
             local = grads if self._sync is None else self._sync.local_tensors(grads)
             self._finite.check(local, GRADIENT)
-        # the normaliser's stacks hold every statistic (unless a synchronisation replaced them)
-        stacks = self._normalise.stacks if self._sync is None else None
-        self._finite.check(stacks or statistics_tensors(self._pending), STATISTICS)
+        if self._pending:  # the normaliser's stacks hold every statistic (unless a
+            # synchronisation replaced them)
+            stacks = self._normalise.stacks if self._sync is None else None
+            self._finite.check(stacks or statistics_tensors(self._pending), STATISTICS)
 
     def _decided_on_device(self) -> Tensor | None:
         """With ``nonfinite='device'``: the step's skip flag as a one-element tensor on the
@@ -825,6 +832,10 @@ class KroneckerOptimizer(Optimizer):
         if not self._seen_forward:
             return with_grad, []
         pending = self._pending  # (started: the common case, asked first)
+        if not pending:  # a step between statistics: the planned layers' states, if all are
+            planned = self._planned_states(with_grad)
+            if planned is not None and all_preconditioned(planned):
+                return with_grad, []
         waiting = [
             layer for layer in with_grad if layer not in pending and not self._started(layer)
         ]

@@ -7,13 +7,10 @@ as one stack; what the updates overwrite is saved first, so that a non-finite re
 
 from __future__ import annotations
 
-import operator
-from itertools import repeat
-
 from torch.optim import Optimizer
 
 from ..curvature.layers import Layer
-from .fallback import FALLBACK_KEY
+from .fallback import all_preconditioned
 from .finite import FACTORS
 from .grouped import positions_by, stack_parts
 from .rule import LayerRule
@@ -24,13 +21,12 @@ def update_factors(opt: Optimizer, layers: list[Layer]) -> None:
     (``opt._pending``), saving what they overwrite in ``opt._undo``, and flag a
     non-finite result in ``opt._finite``. ``opt``: a KroneckerOptimizer."""
     pending_of = opt._pending
-    updated = [layer for layer in layers if layer in pending_of]
+    updated = [layer for layer in layers if layer in pending_of] if pending_of else []
+    if not updated:  # a step between statistics: nothing to save, check or update
+        opt._undo.save([])
+        return
     groups = opt.param_groups
     states = _weight_states(opt, updated)
-    if not updated:
-        opt._undo.save(states)
-        opt._finite.check(opt._undo.updated(), FACTORS)
-        return
     pendings = list(map(pending_of.__getitem__, updated))
     indices = list(map(opt._layer_group.__getitem__, updated))
     parts = positions_by(indices)  # per parameter group
@@ -76,7 +72,7 @@ def _weight_states(opt: Optimizer, layers: list[Layer]) -> list[dict]:
     its first statistics are created there), by C calls alone when every layer has its
     factors already (:meth:`_weights_states`)."""
     states = opt._weights_states(layers)
-    if all(states) and not any(map(operator.contains, states, repeat(FALLBACK_KEY))):
+    if all_preconditioned(states):
         return states
     groups, layer_group = opt.param_groups, opt._layer_group
     return [opt._layer_state(layer, groups[layer_group[layer]]) for layer in layers]

@@ -6,6 +6,9 @@ the same optimizer, so one optimizer trains the whole model.
 
 from __future__ import annotations
 
+import operator
+from itertools import repeat
+
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
@@ -21,6 +24,12 @@ def in_fallback(state: dict) -> bool:
     """Whether a parameter state is the fallback's (a preconditioned layer's parameters
     hold it while the layer waits for its first curvature statistics)."""
     return FALLBACK_KEY in state
+
+
+def all_preconditioned(states: list[dict]) -> bool:
+    """Whether every one of ``states`` holds a preconditioned layer's factors: none is
+    empty or the fallback's (:func:`in_fallback`), by C calls alone."""
+    return all(states) and not any(map(operator.contains, states, repeat(FALLBACK_KEY)))
 
 
 def moment_dtype(param: Tensor) -> torch.dtype:

@@ -97,7 +97,7 @@ class FiniteCheck:
         for flags, _, _ in self._buffers.values():
             for i, value in enumerate(flags.tolist()):  # the step's one device->host read
                 raised[i] = raised[i] or value > 0
-        return next((i for i, r in enumerate(raised) if r), None)
+        return raised.index(True) if True in raised else None
 
     def device(self) -> torch.device | None:
         """The one device the flags live on (None: none yet, or several)."""

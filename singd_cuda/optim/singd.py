@@ -231,11 +231,9 @@ class SingdRule(LayerRule):
         """:func:`singd_cuda.ops.diag_precond_step_` (mode "singd") over every layer:
         Ĝ = c² ⊙ G ⊙ k² and momentum SGD, in one pass over W, G and the buffers."""
         momentum = group["momentum"]
-        squares = self._diagonal_squares(
-            layers, group, [layer_states[0] for layer_states in states]
-        )
+        squares = self._diagonal_squares(layers, group, list(map(_FIRST, states)))
         buf_key = "momentum_buffer" if momentum != 0.0 else None
-        rows, cols = [sq.c2 for sq in squares], [sq.k2 for sq in squares]
+        rows, cols = list(map(_C2, squares)), list(map(_K2, squares))
         batch = self._kept.batch(layers, states, rows, cols, buf_key, self._views)
         batch.step_op(
             *batch.lists(),
@@ -610,6 +608,7 @@ class SingdRule(LayerRule):
 _SIDES = ("K", "m_K", "C", "m_C")
 _DTYPE = operator.attrgetter("dtype")
 _K2, _C2 = operator.attrgetter("k2"), operator.attrgetter("c2")
+_FIRST = operator.itemgetter(0)
 # a pending diagonal statistic's vector is pending[side].parts["diag"]
 _IN, _OUT = operator.itemgetter("in"), operator.itemgetter("out")
 _PARTS, _DIAG = operator.attrgetter("parts"), operator.itemgetter("diag")
