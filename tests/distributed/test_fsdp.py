@@ -269,6 +269,11 @@ CHECKPOINTED = {
         optimizer="kfac", dtype=sc.F64, kwargs=dict(lr=0.05, T=2, distribute_factors=True)
     ),
     "adafisher": dict(optimizer="adafisher", dtype=sc.F64, kwargs=dict(lr=0.05, T=2)),
+    # graft="adam": each parameter's second moment (graft_sq) is sharded by rows as well
+    "singd-graft": dict(optimizer="singd", dtype=sc.F64, kwargs=_singd("dense", graft="adam")),
+    "adafisher-graft": dict(
+        optimizer="adafisher", dtype=sc.F64, kwargs=dict(lr=0.05, T=2, graft="adam")
+    ),
     "singd-norm-fisher": dict(
         optimizer="singd", dtype=sc.F64, kwargs=_singd("block_diagonal:4", norm_fisher=True)
     ),
@@ -303,15 +308,17 @@ def saved(tmp_path_factory) -> tuple[dict[str, str], dict[str, list], dict[str, 
 
 def _check_resumed(uninterrupted, loaded, exact: bool) -> None:
     for key, ranks in loaded.items():
-        if CHECKPOINTED[key.split(":")[0]]["kwargs"].get("norm_fisher") and key.endswith("dcp"):
+        kwargs = CHECKPOINTED[key.split(":")[0]]["kwargs"]
+        if kwargs.get("norm_fisher") and key.endswith("dcp"):
             assert "lacks its norm Fisher" in ranks[0]["error"], key
             continue
         reference = uninterrupted[key.split(":")[0]][0]["params"]
         if exact:  # same world size, same reductions: bit for bit
             for a, b in zip(reference, ranks[0]["params"], strict=True):
                 assert torch.equal(a, b), f"{key}: max diff {(a - b).abs().max():.3g}"
-        else:
-            assert max_diff(reference, ranks[0]["params"]) <= 1e-10, key
+        else:  # a graft scales shift's rounding-noise gradient up (see the graft tests)
+            kept = slice(None, -2) if kwargs.get("graft") else slice(None)
+            assert max_diff(reference[kept], ranks[0]["params"][kept]) <= 1e-10, key
 
 
 def test_dcp_checkpoint_from_2_ranks_continues_on_2_bitwise(saved):
