@@ -204,13 +204,17 @@ class DiagonalBatch:
 class KeptBatch:
     """The lists of a rule's last :class:`DiagonalBatch`, kept for the next step while
     it would queue the same: the same parameters, buffers and scale vectors (as objects),
-    gradients for the same parameters strided as before, every matrix a view (no copies
-    to write back). A warm step then only views the new gradients."""
+    gradients for the same parameters, those viewed as a matrix strided as before, every
+    matrix a view (no copies to write back). A warm step then only views the new
+    gradients that are not taken as they are (:func:`_takes_as_is`, whatever their
+    strides: the op reads any layout of a gradient of its matrix's shape, or of a bias's
+    vector)."""
 
     def __init__(self) -> None:
         self._sources: list = []  # parameters, buffers, scale vectors of the kept batch
         self._present: list[bool] = []  # which parameters had a gradient
-        self._strides: list[tuple[int, ...]] = []  # the queued gradients' strides
+        self._viewed: list[int] = []  # positions of the queued gradients viewed as matrices
+        self._strides: list[tuple[int, ...]] = []  # those gradients' strides
         self._lists: tuple[list[Tensor], ...] | None = None  # (params, bufs, rows, cols)
         self._grad_views: list[tuple | None] = []  # None: the gradient as it is (_takes_as_is)
         self._pointers: list[int] = []  # the parameters' data pointers
@@ -242,17 +246,20 @@ class KeptBatch:
             and list(map(Tensor.data_ptr, params)) == self._pointers
         ):
             queued = list(compress(grads, present))
-            if list(map(Tensor.stride, queued)) == self._strides:
+            viewed = [queued[i] for i in self._viewed] if self._viewed else []
+            if list(map(Tensor.stride, viewed)) == self._strides:
                 batch = DiagonalBatch()
                 batch.params, batch.bufs, batch.rows, batch.cols = self._lists
                 batch.step_op = self._step_op
-                batch.grads = [
-                    # _grad_view, inline (a Python call per bias saved)
-                    grad
-                    if view is None
-                    else grad.as_strided(*view[:2], grad.storage_offset() + view[2])
-                    for grad, view in zip(queued, self._grad_views, strict=True)
-                ]
+                batch.grads = queued
+                if viewed:
+                    batch.grads = [
+                        # _grad_view, inline (a Python call per bias saved)
+                        grad
+                        if view is None
+                        else grad.as_strided(*view[:2], grad.storage_offset() + view[2])
+                        for grad, view in zip(queued, self._grad_views, strict=True)
+                    ]
                 return batch
         batch = DiagonalBatch(views)
         for layer, layer_states, row, col in zip(layers, states, rows, cols, strict=True):
@@ -262,7 +269,7 @@ class KeptBatch:
             queued = list(compress(grads, present))
             bufs = [] if buf_key is None else self._bufs(states, buf_key)
             self._sources = [*params, *bufs, *rows, *cols]  # (the buffers add created)
-            self._present, self._strides = present, list(map(Tensor.stride, queued))
+            self._present = present
             self._pointers = list(map(Tensor.data_ptr, params))
             self._lists = (batch.params, batch.bufs, batch.rows, batch.cols)
             self._step_op = ops.diag_precond_step_for(params[0].device.type)
@@ -270,6 +277,8 @@ class KeptBatch:
                 None if _takes_as_is(grad, view) else view
                 for grad, view in zip(queued, batch.grad_views, strict=True)
             ]
+            self._viewed = [i for i, view in enumerate(self._grad_views) if view is not None]
+            self._strides = [queued[i].stride() for i in self._viewed]
         return batch
 
     @staticmethod
