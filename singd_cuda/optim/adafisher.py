@@ -17,7 +17,6 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable
 from itertools import chain, compress, repeat
-from operator import is_not
 from typing import Any, NamedTuple
 
 import torch
@@ -233,7 +232,7 @@ class KeptBatch:
         :meth:`DiagonalBatch.add`), its lists kept from the last call where they hold."""
         params = list(chain.from_iterable(map(_PARAMS, layers)))
         grads = list(map(_GRAD, params))
-        present = list(map(is_not, grads, repeat(None)))
+        present = list(map(operator.is_not, grads, repeat(None)))
         bufs = [] if buf_key is None else self._bufs(states, buf_key)
         sources = [*params, *bufs, *rows, *cols]
         if (
