@@ -25,8 +25,9 @@ from ..structures.base import PLAIN, StructuredMatrix, parts_of
 from . import warm_start
 from .grouped import partition, stack_of_rows
 
-# what tensors that one fused check takes share
-_GROUP = operator.attrgetter("device", "dtype", "is_sparse")
+# what tensors that one fused check takes share (all strided: a step refuses sparse
+# gradients, and statistics and factors are dense)
+_GROUP = operator.attrgetter("device", "dtype")
 
 
 class FiniteCheck:
@@ -70,12 +71,8 @@ class FiniteCheck:
             groups = {}
             for key, t in zip(keys, tensors, strict=True):
                 groups.setdefault(key, []).append(t)
-        for (device, _, sparse), group in groups.items():
+        for (device, _), group in groups.items():
             found = self.flag(device, reason)
-            if sparse:
-                for t in group:
-                    found.add_(torch.isfinite(t.coalesce().values()).all().logical_not())
-                continue
             # one fused pass, no temporaries: multiplies by exactly 1 and flags inf/nan
             torch._amp_foreach_non_finite_check_and_unscale_(group, found, self._buffers[device][1])
 
