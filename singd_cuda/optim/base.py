@@ -685,12 +685,14 @@ class KroneckerOptimizer(Optimizer):
         self._report_late()
         grad_scale, stats_scale, found_inf = self._loss_scale()
         # gather: the statistics as one batch's, averaged over the ranks before any decision
-        groups = self.param_groups
-        averages = [group["loss_average"] for group in groups]
-        by_layer = map(averages.__getitem__, self._layer_group.values())
-        loss_averages = dict(zip(self._layer_group, by_layer, strict=True))
-        committed, factors = self._capture.committed, self._statistic_factors
-        self._pending = self._normalise(committed, loss_averages, stats_scale, factors)
+        # (none between statistics, T > 1)
+        committed, self._pending = self._capture.committed, {}
+        if committed:
+            averages = [group["loss_average"] for group in self.param_groups]
+            by_layer = map(averages.__getitem__, self._layer_group.values())
+            loss_averages = dict(zip(self._layer_group, by_layer, strict=True))
+            factors = self._statistic_factors
+            self._pending = self._normalise(committed, loss_averages, stats_scale, factors)
         if self._sync is not None:
             grad_scale, found_inf = self._synchronise(grad_scale, found_inf)
         if self._created:  # states created by statistics discarded before the step (zero_grad)
@@ -761,8 +763,8 @@ class KroneckerOptimizer(Optimizer):
             grads = list(filter(_PRESENT, map(_GRAD, params)))
             local = grads if self._sync is None else self._sync.local_tensors(grads)
             self._finite.check(local, GRADIENT)
-        if self._pending:  # the normaliser's stacks hold every statistic (unless a
-            # synchronisation replaced them)
+        if self._pending:  # the normaliser's stacks (of this step's call) hold every
+            # statistic, unless a synchronisation replaced them
             stacks = self._normalise.stacks if self._sync is None else None
             self._finite.check(stacks or statistics_tensors(self._pending), STATISTICS)
 

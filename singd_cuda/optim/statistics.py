@@ -100,8 +100,6 @@ class StatisticsNormaliser:
         tensor, or None); ``factors``: those of :class:`UnscaledDiagonal` statistics
         (none may come without it)."""
         self.stacks = None
-        if not committed:  # a step between statistics (T > 1)
-            return {}
         order = list(filter(committed.__contains__, loss_averages))
         if len(order) != len(committed):  # (layers it does not know: as committed)
             order = list(committed)
