@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from ..curvature import norm_layers
 from ..curvature.capture import CurvatureCapture, merge_statistics, take_over
@@ -605,18 +606,16 @@ class KroneckerOptimizer(Optimizer):
         return None, None, found_inf
 
     # ---------------------------------------------------------------- step
-    # torch.compile(opt.step) runs the step eagerly: its work is fused C++ ops and
-    # bookkeeping in Python (tensor values decide what runs), which Dynamo would break up
-    @torch.compiler.disable(reason=STEP_NOT_COMPILED)
-    @torch.no_grad()
     def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        with_gradients = self._groups_with_gradients()  # before anything changes
+        grad_enabled = torch.is_grad_enabled()
+        torch.set_grad_enabled(False)  # torch.no_grad() in seven Python calls less
         stepping = False
         try:
+            with_gradients = self._groups_with_gradients()  # before anything changes
             # edited hyperparameters: a ValueError before anything changes (the statistics
             # captured since the last step stay for the next try)
             hyperparameters.check_step(self)
@@ -628,21 +627,30 @@ class KroneckerOptimizer(Optimizer):
             if stepping:  # a refused edit keeps the statistics for the next try
                 self._skip("")
             raise
+        finally:
+            torch.set_grad_enabled(grad_enabled)
         return loss
 
     @staticmethod
     def profile_hook_step(func: Callable) -> Callable:
-        """torch.optim's wrapper of ``step`` (which runs the step pre- and post-hooks),
+        """torch.optim's wrapper of ``step`` (which runs the step pre- and post-hooks and
+        opens the profiler's ``Optimizer.step#...`` range) when a step hook is registered
+        or a profiler records, else ``step``'s body alone (:func:`_needs_torch_wrapper`),
         inside one that forgets a GradScaler's loss scale when the call raises: the
         scaler sets ``grad_scale`` and ``found_inf`` before ``scaler.step(opt)`` calls
         ``step`` and deletes them after a call that returns, not after one that raises
         (in a hook, where ``step``'s own body never runs, or in the body)."""
         hooked = Optimizer.profile_hook_step(func)
 
+        # torch.compile(opt.step) runs the step eagerly: its work is fused C++ ops and
+        # bookkeeping in Python (tensor values decide what runs), which Dynamo would break up
         @functools.wraps(hooked)
+        @torch.compiler.disable(reason=STEP_NOT_COMPILED)
         def step(self, *args, **kwargs):
             try:
-                return hooked(self, *args, **kwargs)
+                if _needs_torch_wrapper(self):
+                    return hooked(self, *args, **kwargs)
+                return func(self, *args, **kwargs)
             except BaseException:
                 self.__dict__.pop("grad_scale", None)
                 self.__dict__.pop("found_inf", None)
@@ -1077,3 +1085,21 @@ def checked_fallback(fallback: dict[str, Any]) -> dict[str, Any]:
             f"arguments only the AdamW fallback's settings are accepted: {', '.join(valid)}"
         )
     return fallback
+
+
+def _needs_torch_wrapper(opt: Optimizer) -> bool:
+    """Whether a step needs torch.optim's wrapper: a step pre- or post-hook is registered
+    (on ``opt`` or globally), or a profiler records on this thread (the wrapper's
+    ``record_function`` range and its ``_optimizer_step_code`` marker are for it). Else
+    the wrapper does nothing a caller can see, yet its range costs host time on every
+    step (the enter and exit ops through ``torch.ops``, about 80 µs per step after the
+    backward of a 3 x Linear(512, 512) model, against ~560 µs for the whole step:
+    ``benchmarks/host_cost.py``), as ``torch.utils.data``'s datapipes open theirs only
+    when ``torch.autograd._profiler_enabled()``."""
+    return bool(
+        opt._optimizer_step_pre_hooks
+        or opt._optimizer_step_post_hooks
+        or _global_optimizer_pre_hooks
+        or _global_optimizer_post_hooks
+        or torch.autograd._profiler_enabled()
+    )

@@ -1,7 +1,8 @@
 """Behaviours torch's own optimizer tests (test/test_optim.py) check for every
 torch.optim optimizer, on SINGD, IKFAC, AdaFisher and K-FAC (issue #30, items 1-5):
 loading a state_dict twice, a step without gradients, ``maximize=True``, the "goes right
-direction" quadratic at the defaults, and torch's AMP recipe with ``unscale_``."""
+direction" quadratic at the defaults, and torch's AMP recipe with ``unscale_``; and what
+torch.optim's step wrapper gives every optimizer: step hooks and the profiler's range."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 from singd_cuda import KFAC, SINGD, AdaFisher
 
@@ -257,3 +262,60 @@ def test_unscaled_gradients_stepped_outside_the_scaler_name_the_fix():
     opt.found_inf = torch.zeros(())
     with pytest.raises(ValueError, match="grad_scaler=scaler"):
         opt.step()
+
+
+# ------------------------------------------------------------ step hooks, profiler range
+@pytest.mark.parametrize("name", ["singd-diagonal", "adafisher", "kfac"])
+@pytest.mark.parametrize("where", ["optimizer", "global"])
+def test_step_hooks_run_around_the_step(name, where):
+    """A step pre-hook sees the state before the step, a post-hook the state after, on
+    the optimizer's own hooks and torch's global ones; a pre-hook's (args, kwargs) reach
+    the step; once removed, they run no more."""
+    model = make_model()
+    opt = make_optimizer(name, model)
+    seen = []
+
+    def pre(optimizer, args, kwargs):
+        seen.append(
+            ("pre", optimizer is opt, list(group["step"] for group in optimizer.param_groups))
+        )
+        return args, {"closure": None}
+
+    def post(optimizer, args, kwargs):
+        seen.append(
+            ("post", optimizer is opt, list(group["step"] for group in optimizer.param_groups))
+        )
+
+    if where == "optimizer":
+        handles = [opt.register_step_pre_hook(pre), opt.register_step_post_hook(post)]
+    else:
+        handles = [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
+    try:
+        train(model, opt, 2)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert seen == [
+        ("pre", True, [0]),
+        ("post", True, [1]),
+        ("pre", True, [1]),
+        ("post", True, [2]),
+    ]
+    train(model, opt, 1, first_seed=2)
+    assert len(seen) == 4
+
+
+@pytest.mark.parametrize("name", ["singd-diagonal", "adafisher"])
+def test_a_profiled_step_is_one_range_and_an_unprofiled_one_trains_alike(name):
+    """Under torch.profiler a step is the range ``Optimizer.step#<class>.step``, as
+    torch.optim's steps are; without a profiler or a hook the step skips torch's wrapper
+    (its range costs host time and records nothing), and trains bitwise alike."""
+    model, reference = make_model(), make_model()
+    opt, ref = make_optimizer(name, model), make_optimizer(name, reference)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        train(model, opt, 2)
+    train(reference, ref, 2)
+    ranges = [event.key for event in prof.key_averages()]
+    assert f"Optimizer.step#{type(opt).__name__}.step" in ranges
+    assert_same(parameters(model), parameters(reference))
+    assert_same(state_tensors(opt), state_tensors(ref))
