@@ -419,6 +419,9 @@ class AdaFisherRule(LayerRule):
         """Every layer of a group: the EMA is elementwise, whatever the shapes."""
         return ADAFISHER
 
+    def group_keys(self, layers, group, states) -> list[str]:
+        return [ADAFISHER] * len(layers)  # (group_key of each, by no Python call)
+
     def update_factors_many(self, layers, group, states, pendings, step: int) -> None:
         """h ← γh + (1−γ)h_new and s ← γs + (1−γ)s_new of every layer: for layers of
         equal shapes and dtypes one lerp per EMA on the stack of their EMAs

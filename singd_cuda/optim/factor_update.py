@@ -34,26 +34,31 @@ def update_factors(opt: Optimizer, layers: list[Layer]) -> None:
     opt._undo.save(states, _untouched(groups, rules, indices, parts, states))
     distribute_factors = opt._sync is not None and opt._sync.distribute_factors
     if distribute_factors or not all(
-        rules[indices[part[0]]].started(groups[indices[part[0]]], [states[i] for i in part])
+        rules[indices[part[0]]].started(groups[indices[part[0]]], _members(states, part))
         for part in parts
     ):
         parts = _each_layer(opt, updated, states, pendings, indices, rules, distribute_factors)
     for part in parts:
         index = indices[part[0]]
         group, rule = groups[index], rules[index]
-        group_layers = [updated[i] for i in part]
-        group_states = [states[i] for i in part]
-        group_pendings = [pendings[i] for i in part]
+        group_layers = _members(updated, part)
+        group_states, group_pendings = _members(states, part), _members(pendings, part)
         keys = rule.group_keys(group_layers, group, group_states)
         for stack in stack_parts(group_layers, keys):
             rule.update_factors_many(
-                [group_layers[i] for i in stack],
+                _members(group_layers, stack),
                 group,
-                [group_states[i] for i in stack],
-                [group_pendings[i] for i in stack],
+                _members(group_states, stack),
+                _members(group_pendings, stack),
                 group["step"],
             )
     opt._finite.check(opt._undo.updated(), FACTORS)
+
+
+def _members(items: list, positions: list[int]) -> list:
+    """``items`` at ``positions`` (in order, a part of ``range(len(items))``): ``items``
+    itself when the part is all of them (the common case, one group and one stack)."""
+    return items if len(positions) == len(items) else [items[i] for i in positions]
 
 
 def _untouched(groups, rules, indices, parts, states) -> tuple[str, ...]:
